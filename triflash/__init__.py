@@ -1,0 +1,13 @@
+"""triflash: FlashAttention for NVIDIA Hopper written in Python (Triton), with
+FlashAttention-3's API. ``import triflash as flash_attn_interface`` works.
+
+Layout: interface.py (public API) -> validation.py -> ops.py (torch.library) ->
+dispatch.py (which kernel serves which case) -> kernels/ (portable Triton tier).
+"""
+from .dispatch import force_backend
+from .interface import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
+from .validation import set_check_inputs
+
+__version__ = "0.1.0"
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
+           "force_backend", "set_check_inputs"]

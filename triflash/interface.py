@@ -1,0 +1,110 @@
+"""Public API with FlashAttention-3's names, arguments, layouts and return values, so that
+``import triflash as flash_attn_interface`` works.
+
+Semantics shared by every function:
+
+* causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q;
+* window_size=(left, right), -1 unbounded: query i sees key j iff
+  i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; causal sets right=0;
+* softcap > 0: scores become softcap * tanh(scores / softcap) before the softmax;
+* GQA/MQA: query head h uses KV head h // (nheads // nheads_kv);
+* a query row that sees no key gets output 0 and lse -inf; its gradients are 0;
+* return_attn_probs=True returns (out, lse) with lse the natural-log log-sum-exp (fp32) of
+  the scaled (soft-capped) scores, shape (batch, nheads, seqlen_q), or (nheads, total_q)
+  for varlen.
+"""
+from . import ops
+from . import validation as V
+
+
+def _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk):
+    V.reject_unsupported(qv=(qv, None), q_descale=(q_descale, None), k_descale=(k_descale, None),
+                         v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        V._fail(name, value, "expected a bool", TypeError)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                    k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
+                    softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                    return_attn_probs=False):
+    """Attention over dense batches.
+
+    q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
+    v: (batch, seqlen_k, nheads_kv, headdim_v). fp16 or bf16, head dims multiples of 8 up
+    to 256. Returns out (batch, seqlen_q, nheads, headdim_v), and lse if return_attn_probs.
+    ``num_splits``, ``pack_gqa`` and ``sm_margin`` are FA3 performance hints, accepted and
+    ignored.
+    """
+    _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _check_flag("causal", causal)
+    _check_flag("deterministic", deterministic)
+    V.check_qkv(q, k, v, varlen=False)
+    q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
+    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = V.normalize_window(window_size, causal)
+    out, lse = ops.fwd(q, k, v, None, None, None, None, q.shape[1], k.shape[1], softmax_scale,
+                       left, right, softcap, deterministic)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           qv=None, q_descale=None, k_descale=None, v_descale=None,
+                           window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0,
+                           return_attn_probs=False):
+    """Attention over a packed batch of variable-length sequences.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim[_v]); cu_seqlens_q/k:
+    int32 (batch + 1,) prefix sums of the lengths; max_seqlen_q/k: the longest sequence;
+    seqused_q/k: optional int32 (batch,) counts of tokens that take part in each sequence.
+    Every feature of ``flash_attn_func`` applies per sequence. Returns out (total_q,
+    nheads, headdim_v), and lse (nheads, total_q) if return_attn_probs.
+    """
+    _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _check_flag("causal", causal)
+    _check_flag("deterministic", deterministic)
+    V.check_qkv(q, k, v, varlen=True)
+    V.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
+    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = V.normalize_window(window_size, causal)
+    out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                       int(max_seqlen_q), int(max_seqlen_k), softmax_scale, left, right,
+                       softcap, deterministic)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None,
+                              k_descale=None, v_descale=None, window_size=(-1, -1),
+                              attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """Attention over a packed qkv: (batch, seqlen, 3, nheads, headdim), or
+    (batch, seqlen, nheads_q + 2 * nheads_kv, headdim) with ``num_heads_q`` (GQA).
+
+    q, k and v are strided views into qkv (no copies); the kernels take any strides."""
+    import torch
+    if not isinstance(qkv, torch.Tensor):
+        V._fail("qkv", type(qkv).__name__, "expected a torch.Tensor", TypeError)
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            V._fail("qkv.shape[2]", qkv.shape[2], "expected 3 for (batch, seqlen, 3, nheads, headdim)")
+        q, k, v = qkv.unbind(dim=2)
+    elif qkv.dim() == 4:
+        if num_heads_q is None:
+            V._fail("num_heads_q", None, "required with a 4-dim qkv (batch, seqlen, nheads_q + 2 * nheads_kv, headdim)")
+        nheads_kv2 = qkv.shape[2] - num_heads_q
+        if num_heads_q <= 0 or nheads_kv2 <= 0 or nheads_kv2 % 2 != 0:
+            V._fail("num_heads_q", num_heads_q, f"qkv has {qkv.shape[2]} heads; need nheads_q + 2 * nheads_kv with nheads_kv >= 1")
+        q, k, v = qkv.split([num_heads_q, nheads_kv2 // 2, nheads_kv2 // 2], dim=2)
+    else:
+        V._fail("qkv.dim()", qkv.dim(), "expected 5 dims (batch, seqlen, 3, nheads, headdim) or 4 with num_heads_q")
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                           window_size=window_size, attention_chunk=attention_chunk,
+                           softcap=softcap, deterministic=deterministic, sm_margin=sm_margin,
+                           return_attn_probs=return_attn_probs)

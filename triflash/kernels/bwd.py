@@ -1,0 +1,306 @@
+"""Portable Triton backward (FlashAttention-2 algorithm).
+
+Three kernels:
+
+* ``bwd_preprocess_kernel``: delta = rowsum(dO * O) in fp32, one program per query block.
+* ``bwd_dkdv_kernel``: one program per key block (BLOCK_N keys) of one KV head. K and V stay
+  in registers, dK and dV accumulate in fp32 registers over every query head of the GQA
+  group and every query block that ``m_block_range`` says visits the key block; Q, dO, LSE
+  and delta stream. Per query block: S = K Q^T, P = exp(S - lse), dV += P dO,
+  dP = V dO^T, dS = P (dP - delta), dK += dS Q (4 matmuls). With ``ATOMIC_DQ`` it also does
+  the 5th matmul, dQ += dS^T K, and adds it to an fp32 ``dq_accum`` with float atomics
+  (fast, not bitwise reproducible).
+* ``bwd_dq_kernel``: one program per query block, dQ accumulated in registers over the
+  visited key blocks, recomputing P and dS (3 matmuls); no atomics, so the deterministic
+  backward is this kernel plus ``bwd_dkdv_kernel`` without ``ATOMIC_DQ``.
+
+GQA: the dK/dV program of a KV head loops over its query heads itself, so dK/dV are summed
+in registers in a fixed order: no extra buffer, no reduction kernel, deterministic.
+"""
+import triton
+import triton.language as tl
+
+from .common import m_block_range, n_block_range, seqlen_info, tanh, visible
+
+
+@triton.jit
+def bwd_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_deltab, stride_deltah, stride_deltam,
+    cu_seqlens_q, seqused_q, nheads, seqlen_q, total_q,
+    HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // nheads
+    head = bh % nheads
+    start_q, len_q, _, _ = seqlen_info(batch, seqlen_q, 0, total_q, 0, cu_seqlens_q, cu_seqlens_q,
+                                       seqused_q, seqused_q, IS_VARLEN, HAS_SEQUSED_Q, False)
+    if m_block * BLOCK_M >= len_q:
+        return
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < len_q) & (offs_dv[None, :] < HEADDIM_V)
+    o = tl.load(O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+                + (start_q + offs_m[:, None]).to(tl.int64) * stride_om + offs_dv[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                 + (start_q + offs_m[:, None]).to(tl.int64) * stride_dom + offs_dv[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + batch.to(tl.int64) * stride_deltab + head.to(tl.int64) * stride_deltah
+             + (start_q + offs_m).to(tl.int64) * stride_deltam, delta, mask=offs_m < len_q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
+                stride_qm, stride_dom, stride_dqm, stride_lsem,
+                m_lo, m_hi, offs_n, offs_d, offs_dv, len_q, len_k,
+                window_left, window_right, qk_scale, softmax_scale, softcap_log2,
+                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
+                BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    d_ok = offs_d < HEADDIM
+    dv_ok = offs_dv < HEADDIM_V
+    for m_block in range(m_lo, m_hi):
+        start_m = m_block * BLOCK_M
+        offs_m = start_m + offs_m0
+        row_ok = offs_m < len_q
+        q = tl.load(q_base + start_m.to(tl.int64) * stride_qm + offs_m0[:, None] * stride_qm + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(do_base + start_m.to(tl.int64) * stride_dom + offs_m0[:, None] * stride_dom + offs_dv[None, :],
+                     mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        # lse in log2 units; rows past the sequence (and rows that saw no key) get +inf so P = 0
+        lse = tl.load(lse_base + offs_m.to(tl.int64) * stride_lsem, mask=row_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = tl.load(delta_base + offs_m.to(tl.int64) * stride_lsem, mask=row_ok, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        qkT = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
+        if SOFTCAP:
+            t = tanh(qkT * qk_scale)
+            sT = t * softcap_log2
+        else:
+            sT = qkT * qk_scale
+        pT = tl.exp2(sT - lse[None, :])
+        if MASK:
+            pT = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k,
+                                  window_left, window_right, HAS_LEFT, HAS_RIGHT), pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - t * t)
+        dsT = dsT.to(q.dtype)
+        dk += tl.dot(dsT, q)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dsT), k) * softmax_scale
+            tl.atomic_add(dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :], dq,
+                          mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lseb, stride_lseh, stride_lsem,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
+):
+    n_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // nheads_kv
+    head_kv = bh % nheads_kv
+    group = nheads // nheads_kv
+    start_q, len_q, start_k, len_k = seqlen_info(
+        batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+    if n_block * BLOCK_N >= len_k:
+        return
+
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < len_k
+    k_ptrs = (K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+              + (start_k + offs_n[:, None]).to(tl.int64) * stride_kn + offs_d[None, :])
+    v_ptrs = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+              + (start_k + offs_n[:, None]).to(tl.int64) * stride_vn + offs_dv[None, :])
+    k = tl.load(k_ptrs, mask=col_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    m_min, m_full_min, m_full_max, m_max = m_block_range(
+        n_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    for g in range(0, group):
+        head = head_kv * group + g
+        q_base = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                  + start_q.to(tl.int64) * stride_qm)
+        do_base = (DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                   + start_q.to(tl.int64) * stride_dom)
+        dq_base = (DQ_ACCUM + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+                   + start_q.to(tl.int64) * stride_dqm)
+        lse_base = (LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+                    + start_q.to(tl.int64) * stride_lsem)
+        delta_base = (DELTA + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+                      + start_q.to(tl.int64) * stride_lsem)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
+                             stride_qm, stride_dom, stride_dqm, stride_lsem,
+                             m_min, m_full_min, offs_n, offs_d, offs_dv, len_q, len_k,
+                             window_left, window_right, qk_scale, softmax_scale, softcap_log2,
+                             HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                             ATOMIC_DQ, UPCAST)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
+                             stride_qm, stride_dom, stride_dqm, stride_lsem,
+                             m_full_min, m_full_max, offs_n, offs_d, offs_dv, len_q, len_k,
+                             window_left, window_right, qk_scale, softmax_scale, softcap_log2,
+                             HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                             ATOMIC_DQ, UPCAST)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
+                             stride_qm, stride_dom, stride_dqm, stride_lsem,
+                             m_full_max, m_max, offs_n, offs_d, offs_dv, len_q, len_k,
+                             window_left, window_right, qk_scale, softmax_scale, softcap_log2,
+                             HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                             ATOMIC_DQ, UPCAST)
+
+    dk = dk * softmax_scale
+    dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
+               + (start_k + offs_n[:, None]).to(tl.int64) * stride_dkn + offs_d[None, :])
+    dv_ptrs = (DV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
+               + (start_k + offs_n[:, None]).to(tl.int64) * stride_dvn + offs_dv[None, :])
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < HEADDIM))
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
+              n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k,
+              window_left, window_right, qk_scale, softcap_log2,
+              HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEADDIM
+    dv_ok = offs_dv < HEADDIM_V
+    for n_block in range(n_lo, n_hi):
+        start_n = n_block * BLOCK_N
+        offs_n = start_n + offs_n0
+        col_ok = offs_n < len_k
+        k = tl.load(k_base + start_n.to(tl.int64) * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :],
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + start_n.to(tl.int64) * stride_vn + offs_n0[:, None] * stride_vn + offs_dv[None, :],
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            t = tanh(qk * qk_scale)
+            s = t * softcap_log2
+        else:
+            s = qk * qk_scale
+        p = tl.exp2(s - lse[:, None])
+        if MASK:
+            p = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k,
+                                 window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lseb, stride_lseh, stride_lsem,
+    stride_dqb, stride_dqm, stride_dqh,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // nheads
+    head = bh % nheads
+    head_kv = head // (nheads // nheads_kv)
+    start_q, len_q, start_k, len_k = seqlen_info(
+        batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+    if m_block * BLOCK_M >= len_q:
+        return
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    row_off = (start_q + offs_m[:, None]).to(tl.int64)
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                + row_off * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                 + row_off * stride_dom + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+    lse_off = (batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+               + (start_q + offs_m).to(tl.int64) * stride_lsem)
+    lse = tl.load(LSE + lse_off, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    k_base = (K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+              + start_k.to(tl.int64) * stride_kn)
+    v_base = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+              + start_k.to(tl.int64) * stride_vn)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n_min, n_full_min, n_full_max, n_max = n_block_range(
+        m_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
+                   n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
+                   window_left, window_right, qk_scale, softcap_log2,
+                   HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
+                   n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
+                   window_left, window_right, qk_scale, softcap_log2,
+                   HEADDIM, HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
+                   n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
+                   window_left, window_right, qk_scale, softcap_log2,
+                   HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    dq = dq * softmax_scale
+    tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+             + row_off * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))

@@ -1,0 +1,154 @@
+"""Concepts every attention kernel shares, written once.
+
+* ``seqlen_info``: where a (batch, sequence) starts in the token dimension and how long it is.
+  Dense tensors are the varlen case with a batch stride and start 0; varlen tensors are
+  (total, heads, dim) with a batch stride of 0 and starts from ``cu_seqlens``.
+* ``n_block_range`` / ``m_block_range``: which key blocks a query block visits (forward, dQ)
+  and which query blocks a key block is visited by (dK/dV), split into the blocks that need
+  a mask and the blocks that do not.
+* ``visible``: the element-wise mask (sequence tail, causal, sliding window).
+* ``scores``: scale + optional softcap, in the log2 domain the kernels use for exp2.
+
+Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
+query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
+negative ``left``/``right`` means unbounded and causal is ``right = 0``.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def seqlen_info(batch, seqlen_q, seqlen_k, total_q, total_k,
+                cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
+    """Return (start_q, len_q, start_k, len_k) of sequence ``batch``.
+
+    Varlen starts and ends are clamped to the tensor's token count, so malformed
+    ``cu_seqlens`` can shorten a sequence but never make a kernel read out of bounds.
+    """
+    if IS_VARLEN:
+        start_q = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + batch), 0), total_q)
+        end_q = tl.minimum(tl.load(cu_seqlens_q + batch + 1), total_q)
+        start_k = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + batch), 0), total_k)
+        end_k = tl.minimum(tl.load(cu_seqlens_k + batch + 1), total_k)
+        len_q = tl.maximum(end_q - start_q, 0)
+        len_k = tl.maximum(end_k - start_k, 0)
+    else:
+        start_q = 0
+        start_k = 0
+        len_q = seqlen_q
+        len_k = seqlen_k
+    if HAS_SEQUSED_Q:
+        len_q = tl.minimum(tl.maximum(tl.load(seqused_q + batch), 0), len_q)
+    if HAS_SEQUSED_K:
+        len_k = tl.minimum(tl.maximum(tl.load(seqused_k + batch), 0), len_k)
+    return start_q, len_q, start_k, len_k
+
+
+@triton.jit
+def _floor_div(a, b):
+    # Triton's // truncates toward zero; block bounds need floor for negative numerators.
+    return tl.where(a >= 0, a // b, -((-a + b - 1) // b))
+
+
+@triton.jit
+def n_block_range(m_block, len_q, len_k, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key blocks visited by query block ``m_block``.
+
+    Returns (n_min, n_full_min, n_full_max, n_max): blocks in [n_min, n_max) hold at least
+    one visible key for some row; blocks in [n_full_min, n_full_max) are visible to every
+    row of the query block and lie wholly inside the sequence, so they need no mask.
+    """
+    shift = len_k - len_q
+    row_lo = m_block * BLOCK_M
+    row_hi = row_lo + BLOCK_M - 1
+    n_max = tl.cdiv(len_k, BLOCK_N)
+    full_max = len_k // BLOCK_N
+    n_min = 0
+    full_min = 0
+    if HAS_RIGHT:
+        # last visible column of the last row is row_hi + shift + right
+        col_end = tl.minimum(row_hi + shift + window_right + 1, len_k)
+        n_max = tl.maximum(tl.cdiv(tl.maximum(col_end, 0), BLOCK_N), 0)
+        full_max = tl.minimum(full_max, _floor_div(row_lo + shift + window_right + 1, BLOCK_N))
+    if HAS_LEFT:
+        col_start = tl.maximum(row_lo + shift - window_left, 0)
+        n_min = col_start // BLOCK_N
+        full_min = tl.maximum(tl.cdiv(tl.maximum(row_hi + shift - window_left, 0), BLOCK_N), 0)
+    n_min = tl.minimum(n_min, n_max)
+    full_min = tl.minimum(tl.maximum(full_min, n_min), n_max)
+    full_max = tl.minimum(tl.maximum(full_max, full_min), n_max)
+    return n_min, full_min, full_max, n_max
+
+
+@triton.jit
+def m_block_range(n_block, len_q, len_k, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query blocks that visit key block ``n_block`` (the transpose of ``n_block_range``).
+
+    Returns (m_min, m_full_min, m_full_max, m_max) with the same meaning. Rows past len_q
+    inside the last query block are harmless without a mask: the backward loads them with
+    lse = +inf, so their probabilities are exactly 0.
+    """
+    shift = len_k - len_q
+    col_lo = n_block * BLOCK_N
+    col_hi = col_lo + BLOCK_N - 1
+    m_min = 0
+    m_max = tl.cdiv(len_q, BLOCK_M)
+    full_min = 0
+    full_max = m_max
+    if col_hi >= len_k:  # the block reaches past the keys: every row needs the tail mask
+        full_max = 0
+    if HAS_RIGHT:
+        # row i sees col j only if i >= j - shift - right
+        row_start = tl.maximum(col_lo - shift - window_right, 0)
+        m_min = row_start // BLOCK_M
+        full_min = tl.maximum(tl.cdiv(tl.maximum(col_hi - shift - window_right, 0), BLOCK_M), 0)
+    if HAS_LEFT:
+        # row i sees col j only if i <= j - shift + left
+        row_end = tl.minimum(col_hi - shift + window_left + 1, len_q)
+        m_max = tl.maximum(tl.cdiv(tl.maximum(row_end, 0), BLOCK_M), 0)
+        full_max = tl.minimum(full_max, _floor_div(col_lo - shift + window_left + 1, BLOCK_M))
+    m_min = tl.minimum(m_min, m_max)
+    full_min = tl.minimum(tl.maximum(full_min, m_min), m_max)
+    full_max = tl.minimum(tl.maximum(full_max, full_min), m_max)
+    return m_min, full_min, full_max, m_max
+
+
+@triton.jit
+def visible(rows, cols, len_q, len_k, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Element mask for a (rows x cols) tile; ``rows``/``cols`` are broadcastable index vectors."""
+    mask = cols < len_k
+    shift = len_k - len_q
+    if HAS_RIGHT:
+        mask = mask & (cols <= rows + shift + window_right)
+    if HAS_LEFT:
+        mask = mask & (cols >= rows + shift - window_left)
+    return mask
+
+
+@triton.jit
+def tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, portable to the interpreter.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def scores(qk, qk_scale_log2, softcap_log2, SOFTCAP: tl.constexpr):
+    """Scaled (and soft-capped) scores in the log2 domain.
+
+    Without softcap ``qk_scale_log2 = softmax_scale * log2(e)``; with softcap,
+    ``qk_scale_log2 = softmax_scale / softcap`` and ``softcap_log2 = softcap * log2(e)``,
+    so that s = softcap * tanh(scale * qk / softcap), returned times log2(e).
+    """
+    if SOFTCAP:
+        return tanh(qk * qk_scale_log2) * softcap_log2
+    else:
+        return qk * qk_scale_log2

@@ -1,0 +1,87 @@
+"""Tile configurations: one table per target, the one obvious place for tile decisions.
+
+Keys are head-dim buckets (the padded power-of-two head dim the kernel computes with).
+Each sm90 entry says what chose it; numbers come from ``scripts/sweep.py`` on the H200
+(results in ``benchmarks/results/``), and every entry must pass the sm_90a compile check
+(``tests/test_sm90_resources.py``: shared memory <= 232448 bytes, no spills).
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    # dK/dV kernel: one program per key block of BLOCK_N keys, streaming BLOCK_M queries
+    dkdv_block_m: int
+    dkdv_block_n: int
+    dkdv_warps: int
+    dkdv_stages: int
+    # dQ kernel: one program per query block of BLOCK_M rows, streaming BLOCK_N keys
+    dq_block_m: int
+    dq_block_n: int
+    dq_warps: int
+    dq_stages: int
+
+
+# The CPU interpreter: small tiles so short test sequences still span several blocks
+# (edge masks, partial blocks and the unmasked middle all run); tl.dot needs >= 16.
+INTERPRET_FWD = FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+INTERPRET_BWD = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1)
+
+# Hopper (sm90) through the portable Triton path. Chosen by scripts/sweep.py on the H200
+# (bf16, seqlen 8192, 16k tokens; see benchmarks/results/sweep-*.json).
+SM90_FWD = {
+    64: FwdConfig(128, 128, 4, 3),
+    128: FwdConfig(128, 128, 8, 3),
+    256: FwdConfig(128, 64, 8, 2),
+}
+SM90_BWD = {
+    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
+    256: BwdConfig(64, 64, 8, 1, 64, 64, 8, 1),
+}
+
+# Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).
+DEFAULT_FWD = {
+    64: FwdConfig(128, 64, 4, 2),
+    128: FwdConfig(128, 64, 8, 2),
+    256: FwdConfig(64, 64, 8, 1),
+}
+DEFAULT_BWD = {
+    64: BwdConfig(32, 64, 4, 2, 64, 32, 4, 2),
+    128: BwdConfig(32, 64, 8, 1, 64, 32, 8, 1),
+    256: BwdConfig(32, 32, 8, 1, 32, 32, 8, 1),
+}
+
+
+def headdim_bucket(headdim: int) -> int:
+    """The power-of-two tile width a head dim is computed with (72 -> 128, 192 -> 256)."""
+    padded = 16
+    while padded < headdim:
+        padded *= 2
+    return padded
+
+
+def _table_key(padded: int) -> int:
+    return 64 if padded <= 64 else padded
+
+
+def fwd_config(arch: str, headdim: int, headdim_v: int) -> FwdConfig:
+    if arch == "interpret":
+        return INTERPRET_FWD
+    table = SM90_FWD if arch == "sm90" else DEFAULT_FWD
+    return table[_table_key(headdim_bucket(max(headdim, headdim_v)))]
+
+
+def bwd_config(arch: str, headdim: int, headdim_v: int) -> BwdConfig:
+    if arch == "interpret":
+        return INTERPRET_BWD
+    table = SM90_BWD if arch == "sm90" else DEFAULT_BWD
+    return table[_table_key(headdim_bucket(max(headdim, headdim_v)))]

@@ -1,0 +1,142 @@
+"""Portable Triton forward (FlashAttention-2 algorithm), every GPU Triton targets and the CPU
+interpreter.
+
+One program computes one query block (BLOCK_M rows) of one (batch, head):
+
+* registers: the Q tile (BLOCK_M x D), the fp32 output accumulator (BLOCK_M x DV), the
+  running max ``m_i`` and sum ``l_i`` (online softmax, base 2);
+* streamed: K and V tiles (BLOCK_N x D / DV) of the key blocks that ``n_block_range`` says
+  the query block visits; Triton software-pipelines them through shared memory;
+* HBM writes: O (BLOCK_M x DV in the input dtype) and the natural-log LSE (fp32).
+
+Cost per program: 2 * BLOCK_M * visited_keys * (D + DV) FLOPs; reads Q once and each
+visited K/V tile once. Key blocks are split into masked edges and an unmasked middle so the
+common case pays no masking arithmetic.
+"""
+import triton
+import triton.language as tl
+
+from .common import n_block_range, scores, seqlen_info, visible
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+               n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k,
+               window_left, window_right, qk_scale, softcap_log2,
+               HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEADDIM
+    dv_ok = offs_dv < HEADDIM_V
+    for n_block in range(n_lo, n_hi):
+        start_n = n_block * BLOCK_N
+        offs_n = start_n + offs_n0
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + offs_n0[:, None] * stride_vn + offs_dv[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=(offs_n[:, None] < len_k) & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < len_k) & dv_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = scores(tl.dot(q, tl.trans(k)), qk_scale, softcap_log2, SOFTCAP)
+        if MASK:
+            s = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k,
+                                 window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def flash_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lseb, stride_lseh, stride_lsem,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+    qk_scale, softcap_log2, window_left, window_right,
+    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Query blocks of one head are adjacent in launch order (shared K/V in L2); the last
+    # (longest, under causal) query block goes first.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // nheads
+    head = bh % nheads
+    head_kv = head // (nheads // nheads_kv)
+    start_q, len_q, start_k, len_k = seqlen_info(
+        batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+    if m_block * BLOCK_M >= len_q:
+        return
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    q_base = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+              + start_q.to(tl.int64) * stride_qm)
+    k_base = (K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+              + start_k.to(tl.int64) * stride_kn)
+    v_base = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+              + start_k.to(tl.int64) * stride_vn)
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    n_min, n_full_min, n_full_max, n_max = n_block_range(
+        m_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # masked left edge (sliding window), unmasked middle, masked right edge (causal/tail)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                               n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
+                               window_left, window_right, qk_scale, softcap_log2,
+                               HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                               n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
+                               window_left, window_right, qk_scale, softcap_log2,
+                               HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                               n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
+                               window_left, window_right, qk_scale, softcap_log2,
+                               HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+
+    # A row that saw no key: output 0, lse = -inf (never NaN).
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    o_base = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+              + start_q.to(tl.int64) * stride_om)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+    lse_base = LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+    tl.store(lse_base + (start_q + offs_m).to(tl.int64) * stride_lsem, lse, mask=row_ok)

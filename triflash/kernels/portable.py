@@ -1,0 +1,164 @@
+"""Host side of the portable Triton tier: allocate outputs, compute launch grids, launch.
+
+Every function takes already-validated tensors (see ``triflash.validation``) in one of two
+layouts and views both the same way, as (batch, seqlen, heads, dim) with explicit strides:
+
+* dense:  q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q)
+* varlen: q (total_q, nheads, d) seen as batch stride 0 plus per-sequence starts from
+  ``cu_seqlens``; lse (nheads, total_q)
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+from .common import LOG2E
+from .configs import BwdConfig, FwdConfig
+from .fwd import flash_fwd_kernel
+
+
+@dataclass(frozen=True)
+class AttnParams:
+    """Everything about the attention problem that is not a tensor."""
+    softmax_scale: float
+    window_left: int     # -1: unbounded
+    window_right: int    # -1: unbounded; causal is 0
+    softcap: float       # 0: off
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def score_constants(self):
+        """(qk_scale, softcap_log2) as ``common.scores`` expects them."""
+        if self.softcap > 0.0:
+            return self.softmax_scale / self.softcap, self.softcap * LOG2E
+        return self.softmax_scale * LOG2E, 0.0
+
+
+def _bshd_strides(x: torch.Tensor, varlen: bool):
+    """(batch, token, head) strides; the head-dim stride is 1 by validation."""
+    if varlen:
+        return 0, x.stride(0), x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool):
+    if varlen:  # (nheads, total_q)
+        return 0, lse.stride(0), lse.stride(1)
+    return lse.stride(0), lse.stride(1), lse.stride(2)
+
+
+def _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams):
+    varlen = cu_seqlens_q is not None
+    dummy = q  # never dereferenced when the matching constexpr flag is off
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    total_q = q.shape[0] if varlen else q.shape[1]
+    total_k = k.shape[0] if varlen else k.shape[1]
+    return dict(
+        varlen=varlen, batch=batch,
+        ptrs=(cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+              seqused_q if seqused_q is not None else dummy,
+              seqused_k if seqused_k is not None else dummy),
+        sizes=(p.max_seqlen_q, p.max_seqlen_k, total_q, total_k),
+        flags=dict(IS_VARLEN=varlen, HAS_SEQUSED_Q=seqused_q is not None,
+                   HAS_SEQUSED_K=seqused_k is not None),
+    )
+
+
+def _common_flags(q, v, p: AttnParams, upcast: bool):
+    d, dv = q.shape[-1], v.shape[-1]
+    return dict(
+        HEADDIM=d, HEADDIM_V=dv,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, SOFTCAP=p.softcap > 0.0,
+        UPCAST=upcast,
+    )
+
+
+def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams,
+        cfg: FwdConfig, upcast: bool):
+    """Returns (out, lse) with FlashAttention-3's shapes."""
+    s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
+    varlen = s["varlen"]
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    out_shape = q.shape[:-1] + (v.shape[-1],)
+    if varlen:  # tokens no sequence covers (cu_seqlens gaps, seqused) read as empty rows
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((nheads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[0], nheads, q.shape[1]), dtype=torch.float32, device=q.device)
+    if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
+        return out, lse
+    qk_scale, softcap_log2 = p.score_constants()
+    grid = (triton.cdiv(p.max_seqlen_q, cfg.block_m), s["batch"] * nheads)
+    flash_fwd_kernel[grid](
+        q, k, v, out, lse,
+        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+        *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
+        *s["ptrs"], nheads, nheads_kv, *s["sizes"],
+        qk_scale, softcap_log2, p.window_left, p.window_right,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        p: AttnParams, cfg: BwdConfig, deterministic: bool, upcast: bool,
+        dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None,
+        dv: Optional[torch.Tensor] = None):
+    """Returns (dq, dk, dv). ``deterministic`` selects the separate dQ kernel (no atomics);
+    otherwise dQ is accumulated with fp32 atomics inside the dK/dV kernel."""
+    s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
+    varlen = s["varlen"]
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    if s["batch"] == 0 or nheads == 0 or p.max_seqlen_q == 0 or p.max_seqlen_k == 0:
+        # no query sees any key: every gradient is zero
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    # rows a varlen batch leaves uncovered (and keys no sequence owns) still get zeros
+    if varlen:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    qk_scale, softcap_log2 = p.score_constants()
+    flags = _common_flags(q, v, p, upcast)
+    lse_strides = _lse_strides(lse, varlen)
+
+    delta = torch.empty_like(lse)
+    pre_block = 64
+    bwd_preprocess_kernel[(triton.cdiv(p.max_seqlen_q, pre_block), s["batch"] * nheads)](
+        out, dout, delta, *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *lse_strides,
+        s["ptrs"][0], s["ptrs"][2], nheads, p.max_seqlen_q, s["sizes"][2],
+        HEADDIM_V=flags["HEADDIM_V"], BLOCK_M=pre_block, BLOCK_DV=flags["BLOCK_DV"],
+        IS_VARLEN=varlen, HAS_SEQUSED_Q=s["flags"]["HAS_SEQUSED_Q"],
+    )
+
+    atomic_dq = not deterministic
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
+    bwd_dkdv_kernel[(triton.cdiv(p.max_seqlen_k, cfg.dkdv_block_n), s["batch"] * nheads_kv)](
+        q, k, v, dout, lse, delta, dq_accum, dk, dv,
+        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+        *_bshd_strides(dout, varlen), *lse_strides, *_bshd_strides(dq_accum, varlen),
+        *_bshd_strides(dk, varlen), *_bshd_strides(dv, varlen),
+        *s["ptrs"], nheads, nheads_kv, *s["sizes"],
+        qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **s["flags"], **flags,
+        ATOMIC_DQ=atomic_dq, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )
+    if atomic_dq:
+        dq.copy_(dq_accum)
+    else:
+        bwd_dq_kernel[(triton.cdiv(p.max_seqlen_q, cfg.dq_block_m), s["batch"] * nheads)](
+            q, k, v, dout, lse, delta, dq,
+            *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+            *_bshd_strides(dout, varlen), *lse_strides, *_bshd_strides(dq, varlen),
+            *s["ptrs"], nheads, nheads_kv, *s["sizes"],
+            qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **s["flags"], **flags,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )
+    return dq, dk, dv

@@ -1,0 +1,85 @@
+"""torch.library registration, in one place.
+
+``triflash::fwd`` and ``triflash::bwd`` are custom ops with fake (meta) implementations, so
+``torch.compile(fullgraph=True)`` traces through them without graph breaks, and the forward
+carries its autograd formula (``register_autograd``), so eager autograd and AOTAutograd
+both see the same backward. Dense and varlen share the ops: varlen is "cu_seqlens given".
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from .kernels.portable import AttnParams
+
+
+def _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap):
+    return AttnParams(softmax_scale=softmax_scale, window_left=window_left,
+                      window_right=window_right, softcap=softcap,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+@torch.library.custom_op("triflash::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor,
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+        seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+        window_left: int, window_right: int, softcap: float,
+        deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """(out, lse). ``deterministic`` is only carried to the backward."""
+    p = _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap)
+    return dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
+
+
+@fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap, deterministic):
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("triflash::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+        seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+        window_left: int, window_right: int, softcap: float,
+        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv)."""
+    if dout.stride(-1) != 1:  # autograd may hand us expanded (stride-0) gradients
+        dout = dout.contiguous()
+    p = _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap)
+    return dispatch.run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                            seqused_k, p, deterministic)
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+      deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+     softmax_scale, window_left, window_right, softcap, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                   softcap, deterministic)
+
+
+def _backward(ctx, dout, dlse):
+    # lse is returned for inspection; its gradient is not propagated (as in FlashAttention).
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                     *ctx.scalars)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,131 @@
+"""Reference attention for tests and the benchmark's correctness column.
+
+``attention_ref`` computes the same function as the kernels, in fp32 on upcast inputs
+(``upcast=True``) or in the input dtype (``upcast=False``, the "same computation in low
+precision" that FlashAttention's tolerance rule compares against). It materializes the
+score matrix one head chunk at a time, so it is for checking, not for speed.
+"""
+import torch
+
+
+def visible_mask(seqlen_q, seqlen_k, window_left, window_right, device):
+    """(seqlen_q, seqlen_k) bool: query i sees key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    shift = seqlen_k - seqlen_q
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_right >= 0:
+        mask &= j <= i + shift + window_right
+    if window_left >= 0:
+        mask &= j >= i + shift - window_left
+    return mask
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  upcast=True, head_chunk=None):
+    """Dense reference. q (b, sq, h, d); k, v (b, sk, hk, d[v]). Returns (out, lse) with
+    out in q's dtype and lse (b, h, sq) fp32. Differentiable (autograd) in both modes."""
+    dtype_og = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    left, right = window_size
+    if causal:
+        right = 0
+    group = h // hk
+    mask = visible_mask(sq, sk, left, right, q.device)
+    head_chunk = head_chunk or h
+    outs, lses = [], []
+    for h0 in range(0, h, head_chunk):
+        hs = slice(h0, min(h, h0 + head_chunk))
+        kv_idx = torch.arange(hs.start, hs.stop, device=q.device) // group
+        kc, vc = k[:, :, kv_idx], v[:, :, kv_idx]
+        s = torch.einsum("bqhd,bkhd->bhqk", q[:, :, hs], kc)
+        s = (s.float() * scale) if upcast else s * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.float().masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        p = p.masked_fill(~mask, 0.0)
+        o = torch.einsum("bhqk,bkhd->bqhd", p.to(vc.dtype), vc)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.cat(outs, dim=2).to(dtype_og)
+    return out, torch.cat(lses, dim=1)
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None,
+                         **kwargs):
+    """Varlen reference, one sequence at a time through ``attention_ref``. Tokens outside
+    every used sequence get output 0 and lse -inf. Returns (out, lse (h, total_q))."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    h = q.shape[1]
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.full((h, q.shape[0]), float("-inf"), device=q.device)
+    out_parts, lse_parts, rows = [], [], []
+    for b in range(len(cq) - 1):
+        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if seqused_q is not None:
+            lq = min(lq, int(seqused_q[b]))
+        if seqused_k is not None:
+            lk = min(lk, int(seqused_k[b]))
+        if lq == 0:
+            continue
+        o, l = attention_ref(q[None, cq[b]:cq[b] + lq], k[None, ck[b]:ck[b] + lk],
+                             v[None, ck[b]:ck[b] + lk], **kwargs)
+        out_parts.append(o[0])
+        lse_parts.append(l[0])
+        rows.append(torch.arange(cq[b], cq[b] + lq, device=q.device))
+    if rows:
+        idx = torch.cat(rows)
+        # index_put keeps this differentiable for the gradient reference
+        out = out.index_put((idx,), torch.cat(out_parts))
+        lse = lse.index_copy(1, idx, torch.cat(lse_parts, dim=1))
+    return out, lse
+
+
+def max_err(a, b):
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def fa_tolerance(ref, ref_lowp, rtol=2.0):
+    """FlashAttention-3's rule: kernel error <= rtol x (low-precision reference error) + atol,
+    with atol a few ulps of the dtype at the reference's scale."""
+    atol = 2 * max_err(ref + 0.3 - 0.3, ref) if ref.numel() else 0.0
+    return rtol * max_err(ref_lowp, ref) + atol
+
+
+def flops(batch, nheads, seqlen_q, seqlen_k, headdim, headdim_v=None, causal=False,
+          window_size=(-1, -1), mode="fwd"):
+    """FlashAttention benchmark convention: 2 matmuls forward, 2.5x that backward; the
+    number of (query, key) pairs actually visited under causal/window."""
+    headdim_v = headdim if headdim_v is None else headdim_v
+    left, right = window_size
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        pairs = seqlen_q * seqlen_k
+    elif causal and left < 0 and seqlen_q == seqlen_k:
+        pairs = seqlen_q * seqlen_k / 2  # FA's convention for causal
+    else:
+        pairs = int(visible_mask(seqlen_q, seqlen_k, left, right, "cpu").sum()) \
+            if seqlen_q * seqlen_k <= 1 << 26 else _pairs_closed_form(seqlen_q, seqlen_k, left, right)
+    f = 2.0 * batch * nheads * pairs * (headdim + headdim_v)
+    return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
+
+
+def _pairs_closed_form(sq, sk, left, right):
+    total = 0
+    shift = sk - sq
+    for i in range(sq):
+        lo = 0 if left < 0 else max(0, i + shift - left)
+        hi = sk - 1 if right < 0 else min(sk - 1, i + shift + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+__all__ = ["attention_ref", "attention_varlen_ref", "visible_mask", "fa_tolerance", "max_err",
+           "flops"]
