@@ -1,0 +1,89 @@
+"""The benchmark's CPU path (Triton interpreter): runs end to end, writes the documented
+JSON, and triflash passes the FA3 tolerance check. Tiny shapes; about 30 s."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+from triflash.bench import main
+
+ROW_KEYS = {"impl", "mode", "batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim",
+            "headdim_v", "causal", "window_size", "dtype", "varlen", "ms", "tflops", "max_err",
+            "passed", "note", "bwd_fwd_ratio"}
+META_KEYS = {"commit", "date", "gpu", "torch", "triton", "cudnn", "peers_skipped"}
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    rc = main(["--device", "cpu", "--out", str(out), *args])
+    data = json.loads(out.read_text())
+    assert META_KEYS <= set(data["meta"])
+    for r in data["results"]:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert set(r["max_err"]) == {"out", "dq", "dk", "dv"}
+    return rc, data, out
+
+
+def test_cpu_preset(tmp_path):
+    rc, data, out = _run(tmp_path, "--preset", "cpu", "--seqlens", "64",
+                         "--impls", "triflash,triflash-portable,sdpa-math,fa3")
+    assert rc == 0
+    assert data["meta"]["interpreter"] is True
+    assert "fa3" in data["meta"]["peers_skipped"]  # GPU-only peer: skipped with a reason
+    rows = [r for r in data["results"] if r["impl"].startswith("triflash")]
+    assert {(r["impl"], r["mode"], r["causal"]) for r in rows} == {
+        (i, m, c) for i in ("triflash", "triflash-portable") for m in ("fwd", "bwd")
+        for c in (False, True)}
+    for r in rows:
+        assert r["passed"] is True, r
+        assert r["ms"] > 0 and r["tflops"] > 0
+        grads = [r["max_err"][n] for n in ("dq", "dk", "dv")]
+        assert all(g is not None for g in grads) == (r["mode"] == "bwd")
+        assert (r["bwd_fwd_ratio"] is not None) == (r["mode"] == "bwd")
+    assert any(r["impl"] == "sdpa-math" and r["passed"] for r in data["results"])
+    if importlib.util.find_spec("matplotlib"):
+        assert out.with_suffix(".png").stat().st_size > 0
+
+    # the README table is generated from the JSON
+    spec = importlib.util.spec_from_file_location(
+        "readme_table", pathlib.Path(__file__).parents[1] / "scripts" / "readme_table.py")
+    readme_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme_table)
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- bench-table:start -->\nold\n<!-- bench-table:end -->\ny\n")
+    readme_table.main([str(out), "--update", str(readme)])
+    text = readme.read_text()
+    assert "old" not in text and "| 1x64x2x64 | yes |" in text and text.endswith("end -->\ny\n")
+
+
+def test_window_gqa_and_unsupported_peer(tmp_path):
+    rc, data, _ = _run(tmp_path, "--seqlens", "64", "--nheads", "4",
+                       "--nheads-kv", "2", "--window", "16", "0", "--causal", "false",
+                       "--impls", "triflash", "sdpa-math", "--no-plot")
+    assert rc == 0
+    by_impl = {(r["impl"], r["mode"]): r for r in data["results"]}
+    assert by_impl[("triflash", "bwd")]["passed"] is True
+    assert by_impl[("triflash", "fwd")]["window_size"] == [16, 0]
+    sdpa = by_impl[("sdpa-math", "fwd")]
+    assert sdpa["ms"] is None and sdpa["passed"] is None and sdpa["note"].startswith("skipped:")
+
+
+@pytest.mark.parametrize("preset,n", [("seed", 2), ("h200", 2 + 3 * 2 + 2 * 4 * 2)])
+def test_presets_list(preset, n, capsys):
+    """GPU presets expand to the documented cases (listing needs no GPU)."""
+    from triflash.bench.cases import PRESETS, build_cases
+    cases = build_cases(PRESETS[preset])
+    assert len(cases) == n
+    assert cases[0].batch == 1 and cases[0].nheads == 36 and cases[0].headdim == 256
+    if preset == "h200":
+        assert {(c.batch, c.seqlen_q, c.nheads, c.headdim) for c in cases} >= {
+            (2, 8192, 32, 64), (16, 1024, 8, 256), (1, 16384, 16, 128)}
+
+
+def test_preset_shape_flags_select():
+    """With a preset, shape flags select among its cases (a split H200 run stays correct)."""
+    from triflash.bench.cases import PRESETS, build_cases, filter_cases
+    cases = filter_cases(build_cases(PRESETS["h200"]), headdims=[256])
+    assert cases and all(c.headdim == 256 for c in cases)
+    assert any(c.nheads == 36 for c in cases) and any(c.batch == 16 for c in cases)

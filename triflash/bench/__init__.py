@@ -1,0 +1,76 @@
+"""triflash.bench: the benchmark behind the README's numbers.
+
+Usage::
+
+    python -m triflash.bench                      # CUDA: --preset h200; no CUDA: --preset cpu
+    python -m triflash.bench --preset seed        # 1 x 8192 x 36 heads x 256, causal and not
+    python -m triflash.bench --headdims 128 --seqlens 1024 4096 16384 --total-tokens 16384
+    python -m triflash.bench --batch 2 --seqlen 8192 --nheads 16 --nheads-kv 4 --headdim 128
+    python -m triflash.bench --window 256 0 --causal false --impls triflash,flex,fa3
+    python scripts/readme_table.py bench-results.json --update README.md
+
+Impls (``--impls``, default all): ``triflash`` (normal dispatch), ``triflash-portable``
+(inside ``triflash.force_backend("portable")``), ``sdpa-flash``, ``sdpa-cudnn``,
+``sdpa-efficient`` (SDPA pinned to one backend, ``.transpose(1, 2)`` views), ``flex``
+(compiled FlexAttention), ``fa2``, ``fa3``, ``fa4`` (Dao-AILab packages), and on the CPU
+``sdpa-math``. A peer that does not import, or fails on its first case, is skipped with the
+reason in ``meta.peers_skipped``; a peer that cannot express a case (SDPA: windows, causal
+with seqlen_q != seqlen_k) gets rows with ``"note": "skipped: <reason>"``.
+
+Without CUDA the same command runs tiny cases on the CPU under Triton's interpreter
+(re-running itself with TRITON_INTERPRET=1, which must be set before the kernels are
+defined). That checks correctness; its timings mean nothing.
+
+Conventions (see /work/shared/ANCHORS.md): ``triton.testing.do_bench(fn, warmup, rep,
+return_mode="median")``; fwd timed with autograd on; bwd timed as
+``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` on one forward output;
+``host_ms`` records the CPU time per call, to expose launch-bound measurements;
+TFLOPS from ``triflash.testing.flops`` (fwd 4*b*h*sq*sk*d, halved when causal; bwd 2.5x).
+Correctness: FlashAttention-3's rule, max |impl - ref_fp32| <= fa_tolerance(ref_fp32,
+ref_lowp), per tensor. Exit status 1 when a triflash row fails its check.
+
+JSON schema (``--out``, default ``bench-results.json``)::
+
+    {
+      "meta": {
+        "commit": str,          # --commit, else `git rev-parse HEAD`, else $TRIFLASH_COMMIT, else "unknown"
+        "dirty": bool | null,   # tracked files modified (null when unknown)
+        "date": str,            # ISO 8601, UTC
+        "gpu": str,             # torch.cuda.get_device_name(), or "none (CPU, Triton interpreter)"
+        "device": "cuda" | "cpu",
+        "torch": str, "triton": str, "cudnn": str | null, "cuda": str | null, "python": str,
+        "peers_skipped": {impl: reason},
+        "impl_versions": {impl: str},
+        "preset": str, "interpreter": bool, "argv": [str],
+        "timing": {"warmup_ms": int, "rep_ms": int, "return_mode": "median",
+                   "fwd_autograd": bool},   # false with --inference-fwd (fwd under no_grad)
+        "tflops_convention": str
+      },
+      "results": [
+        {
+          "impl": str, "mode": "fwd" | "bwd" | "fwd_bwd",
+          "batch": int, "seqlen_q": int, "seqlen_k": int, "nheads": int, "nheads_kv": int,
+          "headdim": int, "headdim_v": int, "causal": bool, "window_size": [left, right],
+          "dtype": "bf16" | "fp16", "varlen": bool,
+          "ms": float | null,                 # median; null when skipped or errored
+          "host_ms": float | null,            # CPU time to issue one call (CUDA only)
+          "tflops": float | null,
+          "bwd_fwd_ratio": float | null,      # on bwd rows when fwd was measured too
+          "max_err": {"out": float | null, "dq": ..., "dk": ..., "dv": ...},   # grads: bwd/fwd_bwd rows
+          "tolerance": {"out": float, ...} | null,   # the FA3 tolerance each error is held to
+          "passed": bool | null,              # null: skipped, or not checked (--no-check)
+          "note": str                         # "skipped: why", "error: ...", the checked subset,
+                                              # "launch-bound? host ..." when host_ms > 0.7 x ms
+        }
+      ]
+    }
+"""
+
+
+def main(argv=None):
+    """Run the benchmark (see ``python -m triflash.bench --help``); returns the exit status."""
+    from .__main__ import main as _main
+    return _main(argv)
+
+
+__all__ = ["main"]

@@ -1,0 +1,294 @@
+"""``python -m triflash.bench`` / ``triflash-bench``: the command line. See the package
+docstring (triflash/bench/__init__.py) for usage and the JSON schema."""
+import argparse
+import os
+import subprocess
+import sys
+
+from . import cases as C
+from . import report
+from .plot import plot as make_plot
+from .peers import CPU_IMPLS, GPU_IMPLS, SUBJECTS, make_impl
+
+INTERP_WARNING = ("NOTE: running on the CPU under Triton's interpreter (TRITON_INTERPRET=1). "
+                  "Timings here mean NOTHING; this run only checks correctness.")
+LAUNCH_BOUND = 0.7  # note rows whose host time per call exceeds this fraction of the GPU time
+SHAPE_FLAGS = ("headdims", "seqlens", "batch", "nheads", "total_tokens")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m triflash.bench", description=(
+        "Benchmark triflash against SDPA, FlexAttention and FlashAttention 2/3/4 "
+        "(TFLOPS in FlashAttention's convention), with a correctness check per case."))
+    p.add_argument("--preset", choices=sorted(C.PRESETS), help=(
+        "named case set: seed (1x8192x36x256), h200 (README set), fa3 (FA3's sweep), "
+        "cpu (tiny, interpreter). Default: h200 on CUDA, cpu otherwise; fa3 when shape flags are given"))
+    p.add_argument("--impls", nargs="+", default=["all"], metavar="IMPL",
+                   help=f"comma/space separated; default all. GPU: {','.join(GPU_IMPLS)}; "
+                        f"CPU: {','.join(CPU_IMPLS)}")
+    p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=C.MODES)
+    g = p.add_argument_group("shapes", "with --preset, the shape flags (headdims, seqlens, "
+                             "batch, nheads, total-tokens) select among its cases; without, they "
+                             "define the cases (FA3's sweep defaults on CUDA, tiny ones on the CPU)")
+    g.add_argument("--headdims", "--headdim", nargs="+", type=int)
+    g.add_argument("--seqlens", "--seqlen", nargs="+", type=int)
+    g.add_argument("--seqlen-k", type=int, help="key length (default: = seqlen_q)")
+    g.add_argument("--total-tokens", type=int, help="batch = total_tokens // seqlen (FA3 style, 16384)")
+    g.add_argument("--batch", type=int, help="explicit batch (overrides --total-tokens)")
+    g.add_argument("--nheads", type=int, help="default: 2048 // headdim")
+    g.add_argument("--nheads-kv", type=int, help="GQA/MQA: number of KV heads")
+    g.add_argument("--headdim-v", type=int)
+    g.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    g.add_argument("--window", nargs=2, type=int, metavar=("LEFT", "RIGHT"),
+                   help="sliding window (FA convention, -1 = unbounded)")
+    g.add_argument("--dtype", choices=["bf16", "fp16"], help="default bf16 on CUDA, fp16 on CPU")
+    t = p.add_argument_group("timing and checking")
+    t.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    t.add_argument("--warmup", type=int, default=50, help="do_bench warmup, ms (default 50)")
+    t.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms (default 200)")
+    t.add_argument("--inference-fwd", action="store_true",
+                   help="time fwd under torch.no_grad() (default: autograd on, a training forward)")
+    t.add_argument("--cpu-reps", type=int, default=1, help="calls timed per measurement on the CPU")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--ref-budget-gb", type=float, default=2.0, help=(
+        "fp32 score bytes the reference may materialize per case; larger cases are checked "
+        "on a leading subset of batch/heads (default 2)"))
+    t.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="bench-results.json", help="JSON results (default %(default)s)")
+    o.add_argument("--plot", help="PNG path (default: the JSON path with .png)")
+    o.add_argument("--no-plot", action="store_true")
+    o.add_argument("--commit", help="commit to record when the copy is not a git checkout")
+    o.add_argument("--list", action="store_true", help="print the cases and exit")
+    return p.parse_args(argv)
+
+
+def choose_device(args):
+    import torch
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch.cuda.is_available() is False")
+    return args.device
+
+
+def _interpreting():
+    from triflash.dispatch import interpreting
+    return interpreting()
+
+
+def rerun_under_interpreter(argv, in_process):
+    """`python -m triflash.bench` imports the triflash package before this code runs, and
+    Triton reads TRITON_INTERPRET when the kernels are defined. On the CPU, run again in a
+    process that has TRITON_INTERPRET=1 from the start."""
+    if os.environ.get("TRIFLASH_BENCH_REEXEC"):
+        sys.exit("TRITON_INTERPRET=1 did not take effect; cannot run on the CPU")
+    env = dict(os.environ, TRITON_INTERPRET="1", TRIFLASH_BENCH_REEXEC="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [report.REPO_DIR, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "triflash.bench", *argv]
+    print("CPU run: starting again under Triton's interpreter (TRITON_INTERPRET=1)", flush=True)
+    if in_process:  # main([...]) from Python (tests): keep the caller's process alive
+        return subprocess.run(cmd, env=env).returncode
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, env)
+
+
+def select_impls(args, device):
+    names = [n for item in args.impls for n in item.split(",") if n]
+    if names == ["all"]:
+        names = list(GPU_IMPLS if device == "cuda" else CPU_IMPLS)
+    known = set(GPU_IMPLS) | set(CPU_IMPLS)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"unknown impl(s) {unknown}; choose from {sorted(known)}")
+    return names
+
+
+def build_case_list(args, device):
+    """(preset name, cases). With --preset, shape flags keep only the matching cases; without,
+    they replace the defaults (FA3's sweep on CUDA, the tiny CPU group otherwise)."""
+    shape = {f: getattr(args, f) for f in SHAPE_FLAGS}
+    explicit = any(v is not None for v in shape.values())
+    common = dict(causal=args.causal, dtype=args.dtype or ("bf16" if device == "cuda" else "fp16"),
+                  window=args.window, nheads_kv=args.nheads_kv, seqlen_k=args.seqlen_k,
+                  headdim_v=args.headdim_v)
+    try:
+        if args.preset:
+            cases = C.filter_cases(C.build_cases(C.PRESETS[args.preset], **common), **shape)
+            if not cases:
+                sys.exit(f"--preset {args.preset}: no case matches "
+                         f"{ {k: v for k, v in shape.items() if v is not None} } (see --list)")
+            return args.preset, cases
+        if not explicit:
+            preset = "h200" if device == "cuda" else "cpu"
+            return preset, C.build_cases(C.PRESETS[preset], **common)
+        base = "fa3" if device == "cuda" else "cpu"
+        return f"custom ({base} defaults)", C.build_cases(C.PRESETS[base], overrides=shape, **common)
+    except ValueError as e:
+        sys.exit(str(e))
+
+
+class Progress:
+    """tqdm when importable, else one printed line per step."""
+
+    def __init__(self, total):
+        self.total, self.n = total, 0
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="run", dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def step(self, text):
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_description(text)
+            self.bar.update(1)
+        else:
+            print(f"[{self.n}/{self.total}] {text}", flush=True)
+
+    def write(self, text):
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def load_impls(names, device, skipped):
+    impls = []
+    for name in names:
+        impl = make_impl(name)
+        if device not in impl.devices:
+            skipped[name] = f"needs {' or '.join(impl.devices)}; this run is on {device}"
+        else:
+            try:
+                impl.load()
+                impls.append(impl)
+                continue
+            except Exception as e:  # noqa: BLE001 - any import problem means "not available"
+                skipped[name] = f"import failed: {type(e).__name__}: {e}"
+        print(f"skipping {name}: {skipped[name]}", flush=True)
+    return impls
+
+
+def run_cases(cases, impls, args, device, skipped):
+    """Measure everything; returns the result rows."""
+    import torch
+    from triflash.testing import flops
+    from .runner import free_memory, make_inputs, reference, run_impl
+    timing = dict(warmup=args.warmup, rep=args.rep, cpu_reps=args.cpu_reps)
+    budget = int(args.ref_budget_gb * (1 << 30) / 4)
+    need_grad = any(m != "fwd" for m in args.modes)
+    tried = set()  # impls that ran (or failed) on a case already
+    results = []
+    progress = Progress(len(cases) * len(impls))
+    for case in cases:
+        x = make_inputs(case, device, args.seed)
+        ref = None if args.no_check else reference(case, x, need_grad, budget)
+        case_rows = []
+        for impl in impls:
+            progress.step(f"{case.label()} {impl.name}")
+            if impl.name in skipped:
+                continue
+            base = dict(impl=impl.name, **case.fields(), ms=None, tflops=None,
+                        max_err=dict.fromkeys(report.ERR_NAMES), passed=None, bwd_fwd_ratio=None,
+                        host_ms=None,
+                        note=ref.note if ref else "not checked (--no-check)")
+            reason = impl.unsupported(case)
+            if reason:
+                case_rows += [dict(base, mode=m, note=f"skipped: {reason}") for m in args.modes]
+                continue
+            try:
+                measured = run_impl(impl, case, x, ref, args.modes, device, timing,
+                                    args.inference_fwd)
+            except Exception as e:  # noqa: BLE001 - recorded, never hidden
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                if impl.name in SUBJECTS:
+                    progress.write(f"!!! {impl.name} FAILED to run {case.label()}: {msg}")
+                    case_rows += [dict(base, mode=m, passed=False, note=f"error: {msg}") for m in args.modes]
+                else:
+                    if impl.name not in tried:
+                        skipped[impl.name] = f"failed on its first case ({case.label()}): {msg}"
+                    progress.write(f"skipping {impl.name} on {case.label()}: {msg}")
+                    case_rows += [dict(base, mode=m, note=f"skipped: {msg}") for m in args.modes]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            else:
+                rows = {}
+                for mode, m in measured.items():
+                    fl = flops(case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim,
+                               case.headdim_v, case.causal, tuple(case.window_size), mode=mode)
+                    rows[mode] = dict(base, mode=mode, **m, tflops=fl / (m["ms"] * 1e-3) / 1e12)
+                    if m["host_ms"] is not None and m["host_ms"] > LAUNCH_BOUND * m["ms"]:
+                        rows[mode]["note"] = "; ".join(filter(None, [
+                            rows[mode]["note"], f"launch-bound? host {m['host_ms']:.3f} ms/call"]))
+                if "fwd" in rows and "bwd" in rows:
+                    rows["bwd"]["bwd_fwd_ratio"] = rows["bwd"]["ms"] / rows["fwd"]["ms"]
+                case_rows += rows.values()
+            tried.add(impl.name)
+            free_memory(device)
+        results += case_rows
+        if case_rows:
+            progress.write("\n" + report.detail_table(case_rows) + "\n")
+        del x, ref
+        free_memory(device)
+    progress.close()
+    return results
+
+
+def main(argv=None):
+    """Entry point; returns the exit status (1 if a triflash row failed its check)."""
+    in_process = argv is not None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    device = choose_device(args)
+    preset, cases = build_case_list(args, device)
+    if args.list:
+        print("\n".join(f"{c.label()} ({c.dtype})" for c in cases))
+        return 0
+    if device == "cpu" and not _interpreting():
+        return rerun_under_interpreter(argv, in_process)
+    interp = _interpreting()
+    if interp:
+        print(INTERP_WARNING, flush=True)
+    if device == "cpu" and cases and cases[0].dtype == "bf16":
+        print("WARNING: the interpreter computes bf16 arithmetic wrongly; use --dtype fp16", flush=True)
+    skipped = {}
+    impls = load_impls(select_impls(args, device), device, skipped)
+    print(f"{len(cases)} cases x {len(args.modes)} modes x {len(impls)} impls "
+          f"({', '.join(i.name for i in impls)}) on {device}, preset {preset}", flush=True)
+    results = run_cases(cases, impls, args, device, skipped)
+    versions = {i.name: i.version() for i in impls if i.version()}
+    meta = report.collect_meta(device, args.commit, peers_skipped=skipped, preset=preset,
+                               interpreter=interp, impl_versions=versions,
+                               timing={"warmup_ms": args.warmup, "rep_ms": args.rep,
+                                       "return_mode": "median",
+                                       "fwd_autograd": not args.inference_fwd})
+    report.write_json(args.out, meta, results)
+    names = [i.name for i in impls]
+    print("\nTFLOPS (FA convention)" + (" -- interpreter: meaningless" if interp else ""))
+    print(report.summary_table(results, names))
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+    print(f"\nresults: {args.out}")
+    if not args.no_plot:
+        png = args.plot or os.path.splitext(args.out)[0] + ".png"
+        title = f"{meta['gpu']} -- commit {meta['commit'][:10]}" + (" -- TIMINGS MEANINGLESS" if interp else "")
+        if make_plot(results, png, title):
+            print(f"plot: {png}")
+    fails = report.failures(results)
+    if fails:
+        print(f"\n{'!' * 72}\n{len(fails)} CORRECTNESS FAILURE(S):\n" + "\n".join(fails) + f"\n{'!' * 72}")
+    else:
+        print("\nall checked results within FA3 tolerance")
+    if interp:
+        print(INTERP_WARNING)
+    return 1 if any(r["passed"] is False and r["impl"] in SUBJECTS for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""TFLOPS against sequence length, one panel per (mode, headdim, causal), one line per impl,
+as in FlashAttention-3's README figures. matplotlib is optional."""
+import math
+
+MARKERS = "os^vD<>ph*x+"
+IMPL_ORDER = ["triflash", "triflash-portable", "fa4", "fa3", "sdpa-cudnn", "sdpa-flash",
+              "sdpa-efficient", "flex", "fa2", "sdpa-math"]
+
+
+def _series(results):
+    """{panel key: {series key: [(seqlen, tflops)]}} from the measured rows."""
+    panels = {}
+    for r in results:
+        if r.get("tflops") is None:
+            continue
+        win = tuple(r["window_size"])
+        panel = (r["mode"], r["headdim"], r["causal"], win, r["dtype"])
+        # points of one line share the head counts (FA3 sweeps: 16k tokens, 2048 // headdim)
+        family = (r["nheads"], r["nheads_kv"])
+        panels.setdefault(panel, {}).setdefault((r["impl"], family), []).append(
+            (r["seqlen_q"], r["tflops"], r["passed"]))
+    return panels
+
+
+def plot(results, path, title=""):
+    """Write the PNG; returns the path, or None (with a printed reason) if not possible."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+    panels = _series(results)
+    if not panels:
+        print("plot skipped: no timed results")
+        return None
+    mode_order = {"fwd": 0, "bwd": 1, "fwd_bwd": 2}
+    keys = sorted(panels, key=lambda p: (mode_order.get(p[0], 9), p[1], p[2], p[3], p[4]))
+    impls = sorted({impl for p in panels.values() for impl, _ in p},
+                   key=lambda n: (IMPL_ORDER.index(n) if n in IMPL_ORDER else 99, n))
+    colors = {impl: plt.cm.tab10(i % 10) for i, impl in enumerate(impls)}
+    ncols = min(4, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.8 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        mode, d, causal, win, dtype = key
+        series = panels[key]
+        families = sorted({fam for _, fam in series}, key=lambda f: (-len([1 for _, g in series if g == f]), f))
+        for (impl, fam), pts in sorted(series.items(), key=lambda kv: (impls.index(kv[0][0]), kv[0][1])):
+            pts.sort()
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            style = "-" if fam == families[0] else ":"
+            heads = f"{fam[0]}h" + (f"/{fam[1]}kv" if fam[1] != fam[0] else "")
+            label = impl if len(families) == 1 else f"{impl} ({heads})"
+            ax.plot(xs, ys, style, marker=MARKERS[impls.index(impl) % len(MARKERS)],
+                    color=colors[impl], label=label, lw=2.2 if impl.startswith("triflash") else 1.2)
+            for x, y, passed in pts:
+                if passed is False:
+                    ax.annotate("FAIL", (x, y), color="red", fontsize=7, ha="center", va="bottom")
+        ax.set_xscale("log", base=2)
+        xs_all = sorted({p[0] for pts in series.values() for p in pts})
+        ax.set_xticks(xs_all)
+        ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 else str(x) for x in xs_all])
+        t = f"{mode}, headdim {d}, {'causal' if causal else 'non-causal'}"
+        if win != (-1, -1):
+            t += f", window {win}"
+        ax.set_title(t + f" ({dtype})", fontsize=10)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOPS")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["plot"]
