@@ -50,14 +50,16 @@ def plot(results, path, title=""):
         for (impl, fam), pts in sorted(series.items(), key=lambda kv: (impls.index(kv[0][0]), kv[0][1])):
             pts.sort()
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            style = "-" if fam == families[0] else ":"
-            heads = f"{fam[0]}h" + (f"/{fam[1]}kv" if fam[1] != fam[0] else "")
-            label = impl if len(families) == 1 else f"{impl} ({heads})"
-            ax.plot(xs, ys, style, marker=MARKERS[impls.index(impl) % len(MARKERS)],
-                    color=colors[impl], label=label, lw=2.2 if impl.startswith("triflash") else 1.2)
+            main = fam == families[0]  # the sweep: lines; other head counts: hollow markers
+            ax.plot(xs, ys, "-" if main else ":", marker=MARKERS[impls.index(impl) % len(MARKERS)],
+                    color=colors[impl], label=impl if main else None,
+                    mfc=None if main else "none", lw=(2.2 if impl.startswith("triflash") else 1.2) if main else 0.8)
             for x, y, passed in pts:
                 if passed is False:
                     ax.annotate("FAIL", (x, y), color="red", fontsize=7, ha="center", va="bottom")
+        for fam in families[1:]:
+            heads = f"{fam[0]} heads" + (f" ({fam[1]} kv)" if fam[1] != fam[0] else "")
+            ax.plot([], [], "o", mfc="none", color="gray", label=f"hollow: {heads}")
         ax.set_xscale("log", base=2)
         xs_all = sorted({p[0] for pts in series.values() for p in pts})
         ax.set_xticks(xs_all)

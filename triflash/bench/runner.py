@@ -113,19 +113,20 @@ def compare(ref: Reference, got: Dict[str, torch.Tensor]):
 def bench(fn, device, warmup, rep, cpu_reps):
     """(median milliseconds of fn(), host milliseconds per call or None).
 
-    The host time is the CPU time to issue one call (back-to-back calls, no sync). When it
-    comes close to the GPU time, do_bench measures launch overhead, not the kernel."""
+    The host time is the CPU time to issue one call (median of 5 back-to-back calls, no
+    sync). When it comes close to the GPU time, do_bench measures launch overhead, not the
+    kernel."""
     if device == "cuda":
         import triton
         ms = float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-        host_calls = 10 if ms < 2 else 2  # only short calls can be launch-bound
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(host_calls):
+        host = []
+        for _ in range(5):  # median of single calls: robust to one slow (GC, allocator) call
+            t0 = time.perf_counter()
             fn()
-        host_ms = (time.perf_counter() - t0) * 1e3 / host_calls
+            host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-        return ms, host_ms
+        return ms, statistics.median(host)
     times = []
     for _ in range(cpu_reps):
         t0 = time.perf_counter()
@@ -173,7 +174,6 @@ def run_impl(impl, case, x: Inputs, ref: Optional[Reference], modes, device, tim
             mode_errs[n] is not None and mode_errs[n] <= ref.tol[n] for n in keys)
         rows[mode] = {"ms": ms, "host_ms": host_ms, "max_err": mode_errs, "passed": mode_ok,
                       "tolerance": {n: ref.tol[n] for n in keys} if ref is not None else None}
-    del out, fn
     return rows
 
 
