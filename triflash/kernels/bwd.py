@@ -20,7 +20,7 @@ in registers in a fixed order: no extra buffer, no reduction kernel, determinist
 import triton
 import triton.language as tl
 
-from .common import m_block_range, n_block_range, seqlen_info, tanh, visible
+from .common import m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
 
 
 @triton.jit
@@ -191,8 +191,8 @@ def bwd_dkdv_kernel(
                + (start_k + offs_n[:, None]).to(tl.int64) * stride_dkn + offs_d[None, :])
     dv_ptrs = (DV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
                + (start_k + offs_n[:, None]).to(tl.int64) * stride_dvn + offs_dv[None, :])
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < HEADDIM))
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+    tl.store(dk_ptrs, to_output(dk, DK.dtype.element_ty, UPCAST), mask=col_ok[:, None] & (offs_d[None, :] < HEADDIM))
+    tl.store(dv_ptrs, to_output(dv, DV.dtype.element_ty, UPCAST), mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
 
 
 @triton.jit
@@ -302,5 +302,5 @@ def bwd_dq_kernel(
                    HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
     dq = dq * softmax_scale
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
-             + row_off * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             + row_off * stride_dqm + offs_d[None, :], to_output(dq, DQ.dtype.element_ty, UPCAST),
              mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM))

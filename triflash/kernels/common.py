@@ -152,3 +152,17 @@ def scores(qk, qk_scale_log2, softcap_log2, SOFTCAP: tl.constexpr):
         return tanh(qk * qk_scale_log2) * softcap_log2
     else:
         return qk * qk_scale_log2
+
+
+@triton.jit
+def to_output(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """Cast an fp32 tile to the output dtype, rounding to nearest even.
+
+    The 3.6 interpreter truncates fp32 -> bf16; under it (UPCAST) the rounding bias is
+    added to the bits first so the CPU results round like the GPU's cvt.rn.bf16.f32.
+    """
+    if UPCAST and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)  # now exactly representable in bf16
+    return x.to(dtype)

@@ -30,10 +30,11 @@ class BwdConfig:
     dq_stages: int
 
 
-# The CPU interpreter: small tiles so short test sequences still span several blocks
-# (edge masks, partial blocks and the unmasked middle all run); tl.dot needs >= 16.
-INTERPRET_FWD = FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-INTERPRET_BWD = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1)
+# The CPU interpreter: tiles small enough that test sequences of ~100-800 tokens span
+# several blocks (edge masks, partial blocks and the unmasked middle all run), large enough
+# that the interpreter's per-iteration cost stays bearable in CI; tl.dot needs >= 16.
+INTERPRET_FWD = FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 
 # Hopper (sm90) through the portable Triton path. Chosen by scripts/sweep.py on the H200
 # (bf16, seqlen 8192, 16k tokens; see benchmarks/results/sweep-*.json).

@@ -16,7 +16,7 @@ common case pays no masking arithmetic.
 import triton
 import triton.language as tl
 
-from .common import n_block_range, scores, seqlen_info, visible
+from .common import n_block_range, scores, seqlen_info, to_output, visible
 
 
 @triton.jit
@@ -136,7 +136,7 @@ def flash_fwd_kernel(
 
     o_base = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
               + start_q.to(tl.int64) * stride_om)
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], out.to(O.dtype.element_ty),
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], to_output(out, O.dtype.element_ty, UPCAST),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
     lse_base = LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
     tl.store(lse_base + (start_q + offs_m).to(tl.int64) * stride_lsem, lse, mask=row_ok)

@@ -19,6 +19,16 @@ from .configs import BwdConfig, FwdConfig
 from .fwd import flash_fwd_kernel
 
 
+# Tests set this: outputs the kernels must write in full start as NaN instead of garbage.
+POISON = False
+
+
+def _alloc(shape, dtype, device):
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 @dataclass(frozen=True)
 class AttnParams:
     """Everything about the attention problem that is not a tensor."""
@@ -87,8 +97,8 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
         lse = torch.full((nheads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     else:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((q.shape[0], nheads, q.shape[1]), dtype=torch.float32, device=q.device)
+        out = _alloc(out_shape, q.dtype, q.device)
+        lse = _alloc((q.shape[0], nheads, q.shape[1]), torch.float32, q.device)
     if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     qk_scale, softcap_log2 = p.score_constants()
@@ -114,9 +124,9 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     varlen = s["varlen"]
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    dq = _alloc(q.shape, q.dtype, q.device) if dq is None else dq
+    dk = _alloc(k.shape, k.dtype, k.device) if dk is None else dk
+    dv = _alloc(v.shape, v.dtype, v.device) if dv is None else dv
     if s["batch"] == 0 or nheads == 0 or p.max_seqlen_q == 0 or p.max_seqlen_k == 0:
         # no query sees any key: every gradient is zero
         dq.zero_(), dk.zero_(), dv.zero_()
@@ -128,7 +138,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     flags = _common_flags(q, v, p, upcast)
     lse_strides = _lse_strides(lse, varlen)
 
-    delta = torch.empty_like(lse)
+    delta = _alloc(lse.shape, torch.float32, lse.device)
     pre_block = 64
     bwd_preprocess_kernel[(triton.cdiv(p.max_seqlen_q, pre_block), s["batch"] * nheads)](
         out, dout, delta, *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *lse_strides,

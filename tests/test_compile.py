@@ -1,0 +1,72 @@
+"""Ecosystem fit: torch.library ops pass opcheck, and torch.compile(fullgraph=True) traces
+flash_attn_func / flash_attn_varlen_func (forward and backward) without graph breaks."""
+import torch
+
+import triflash
+from triflash.testing import max_err
+
+from conftest import DEVICE
+
+# On the CPU the interpreter runs the kernels; aot_eager traces through AOTAutograd (the
+# fake implementations and the autograd formula) without compiling C++.
+BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
+
+
+def _qkv(b=1, sq=33, sk=47, h=2, hk=1, d=32, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, n, d, generator=g).to(DEVICE, dtype).requires_grad_()
+            for s, n in ((sq, h), (sk, hk), (sk, hk))]
+
+
+def test_opcheck_fwd_and_bwd():
+    q, k, v = _qkv()
+    args = (q, k, v, None, None, None, None, 33, 47, 32 ** -0.5, -1, 0, 0.0, False)
+    torch.library.opcheck(torch.ops.triflash.fwd.default, args)
+    out, lse = torch.ops.triflash.fwd(*args)
+    dout = torch.randn_like(out)
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, None, None, None,
+                33, 47, 32 ** -0.5, -1, 0, 0.0, True)
+    torch.library.opcheck(torch.ops.triflash.bwd.default, bwd_args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compile_fullgraph_no_graph_breaks():
+    q, k, v = _qkv()
+
+    def layer(q, k, v):
+        out = triflash.flash_attn_func(q, k, v, causal=True, window_size=(20, -1), softcap=5.0)
+        return (out.float() * 2).sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend=BACKEND)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    loss_eager = layer(q, k, v)
+    grads_eager = torch.autograd.grad(loss_eager, (q, k, v))
+    assert torch.allclose(loss, loss_eager)
+    for a, b in zip(grads, grads_eager):
+        assert max_err(a, b) == 0.0
+
+
+def test_compile_varlen_fullgraph():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(50, 2, 16, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
+
+    def f(q):
+        return triflash.flash_attn_varlen_func(q, q, q, cu, cu, 30, 30, causal=True).float().sum()
+
+    loss = torch.compile(f, fullgraph=True, backend=BACKEND)(q)
+    (grad,) = torch.autograd.grad(loss, q)
+    (grad_eager,) = torch.autograd.grad(f(q), q)
+    assert max_err(grad, grad_eager) == 0.0
+
+
+def test_return_lse_under_compile():
+    q, k, v = _qkv(seed=2)
+
+    def f(q, k, v):
+        return triflash.flash_attn_func(q, k, v, return_attn_probs=True)
+
+    out, lse = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v)
+    out_e, lse_e = f(q, k, v)
+    assert torch.equal(out, out_e) and torch.equal(lse, lse_e)

@@ -1,0 +1,190 @@
+"""The feature table, as tests: forward and backward of flash_attn_func against an fp32
+reference, with FlashAttention-3's tolerance rule (error <= rtol x the error of the same
+computation done in the input dtype, + a few ulps).
+
+The grid is the feature table: dtype x head dim x mask (none / causal / sliding window /
+softcap) x head sharing (MHA / GQA / MQA) x seqlen pairs that are not tile multiples.
+Under the CPU interpreter (CI) each (dtype, head dim) meets every mask; head sharing and
+seqlen pairs rotate through that grid so each value appears, and a second grid runs every
+seqlen pair. With CUDA the same tests run at realistic sizes.
+"""
+import pytest
+import torch
+
+import triflash
+from triflash.testing import attention_ref, fa_tolerance, max_err
+
+from conftest import DEVICE
+
+ON_GPU = DEVICE == "cuda"
+DTYPES = [torch.float16, torch.bfloat16]
+HEADDIMS = [8, 40, 64, 72, 96, 128, 136, 192, 256]
+# (causal, window_size, softcap)
+MASKS = {
+    "none": (False, (-1, -1), 0.0),
+    "causal": (False, (-1, -1), 0.0),
+    "window": (False, (17, 5), 0.0),
+    "causal-window-softcap": (True, (29, -1), 15.0),
+}
+MASKS["causal"] = (True, (-1, -1), 0.0)
+SEQLENS = [(1, 1), (113, 203), (128, 217), (239, 1), (1, 239), (799, 3), (64, 128), (217, 113)]
+if ON_GPU:
+    SEQLENS += [(1024, 1024), (1023, 2049), (2048, 2048), (4096, 4096)]
+HEADS = [(4, 4), (4, 2), (4, 1)] if not ON_GPU else [(8, 8), (8, 2), (8, 1)]  # MHA, GQA, MQA
+BATCH = 2 if not ON_GPU else 4
+GRID_BATCH = 1 if not ON_GPU else 4  # the grid is large; batch > 1 runs in the other tests
+
+
+def _inputs(batch, sq, sk, h, hk, d, dv, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype).requires_grad_()
+    return rnd(batch, sq, h, d), rnd(batch, sk, hk, d), rnd(batch, sk, hk, dv)
+
+
+def check_attention(batch, sq, sk, h, hk, d, dtype, causal, window, softcap,
+                    dv=None, deterministic=False, seed=0):
+    dv = d if dv is None else dv
+    q, k, v = _inputs(batch, sq, sk, h, hk, d, dv, dtype, seed)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = triflash.flash_attn_func(q, k, v, deterministic=deterministic,
+                                        return_attn_probs=True, **kw)
+    out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **kw)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    rtol = 2.0 if softcap == 0.0 else 3.0
+
+    assert out.shape == (batch, sq, h, dv) and out.dtype == dtype
+    assert lse.shape == (batch, h, sq) and lse.dtype == torch.float32
+    assert not out.isnan().any(), "output has NaN (unwritten or invalid)"
+    assert max_err(out, out_ref) <= fa_tolerance(out_ref, out_pt, rtol)
+    # lse: rows that see no key are exactly -inf, others match the fp32 reference
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    assert max_err(lse[seen], lse_ref[seen]) <= 1e-3 * max(1.0, lse_ref[seen].abs().max().item() if seen.any() else 1.0)
+
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads_ref = torch.autograd.grad(out_ref, (q, k, v), dout)
+    grads_pt = torch.autograd.grad(out_pt, (q, k, v), dout)
+    for name, g, g_ref, g_pt in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt):
+        assert not g.isnan().any(), f"{name} has NaN"
+        atol_extra = 0.0 if softcap == 0.0 else 3e-4
+        err, tol = max_err(g, g_ref), fa_tolerance(g_ref, g_pt, rtol) + atol_extra
+        assert err <= tol, f"{name}: max error {err} > tolerance {tol}"
+    return grads
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_feature_grid(dtype, d, mask):
+    causal, window, softcap = MASKS[mask]
+    # rotate head sharing and seqlen pairs through the grid so each value meets every dim
+    i = HEADDIMS.index(d) + list(MASKS).index(mask) + DTYPES.index(dtype)
+    h, hk = HEADS[i % len(HEADS)]
+    sq, sk = SEQLENS[(3 * i) % len(SEQLENS)]
+    # both backward paths: atomic dQ and the separate deterministic dQ kernel
+    check_attention(GRID_BATCH, sq, sk, h, hk, d, dtype, causal, window, softcap,
+                    deterministic=bool(i % 2))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_seqlens(seqlens, causal):
+    sq, sk = seqlens
+    check_attention(BATCH, sq, sk, 4, 2, 64, torch.float16, causal, (-1, -1), 0.0)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, -1), (-1, 3), (50, 50), (300, 0)])
+def test_windows(window):
+    check_attention(BATCH, 113, 203, 2, 1, 32, torch.float16, False, window, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_deterministic_matches_and_reproduces(dtype, d):
+    sq, sk = (128, 217) if not ON_GPU else (2048, 2048)
+    g1 = check_attention(BATCH, sq, sk, 4, 2, d, dtype, True, (-1, -1), 0.0, deterministic=True)
+    g2 = check_attention(BATCH, sq, sk, 4, 2, d, dtype, True, (-1, -1), 0.0, deterministic=True)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b), "deterministic backward is not bitwise reproducible"
+
+
+def test_seqlen_k_zero():
+    q, k, v = _inputs(2, 5, 0, 2, 2, 16, 16, torch.float16)
+    out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert torch.equal(dq, torch.zeros_like(dq)) and dk.shape == k.shape
+
+
+def test_rows_without_keys_are_zero():
+    """seqlen_q > seqlen_k with causal: the first rows see no key at all."""
+    q, k, v = _inputs(1, 40, 8, 2, 2, 16, 16, torch.bfloat16)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:, :32], torch.zeros_like(out[:, :32]))
+    assert torch.isneginf(lse[:, :, :32]).all() and torch.isfinite(lse[:, :, 32:]).all()
+    dq, _, _ = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert torch.equal(dq[:, :32], torch.zeros_like(dq[:, :32]))
+    assert not dq.isnan().any()
+
+
+def test_strided_inputs_without_copies():
+    """Non-contiguous q/k/v (last dim contiguous) run as given, e.g. slices of a packed tensor."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 70, 3, 4, 40, generator=g).to(DEVICE, torch.float16)
+    big_k = torch.randn(2, 70, 6, 40, generator=g).to(DEVICE, torch.float16)
+    q, k, v = qkv[:, :, 0], big_k[:, :, ::3], qkv[:, :, 2, :2]
+    out = triflash.flash_attn_func(q, k, v)
+    ref, _ = attention_ref(q, k, v)
+    pt, _ = attention_ref(q, k, v, upcast=False)
+    assert max_err(out, ref) <= fa_tolerance(ref, pt)
+
+
+def test_softmax_scale_and_headdim_v():
+    q, k, v = _inputs(2, 50, 77, 4, 2, 64, 32, torch.float16)
+    out = triflash.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True)
+    ref, _ = attention_ref(q, k, v, softmax_scale=0.3, causal=True)
+    pt, _ = attention_ref(q, k, v, softmax_scale=0.3, causal=True, upcast=False)
+    assert out.shape == (2, 50, 4, 32)
+    assert max_err(out, ref) <= fa_tolerance(ref, pt)
+
+
+@pytest.mark.parametrize("dv", [32, 128])
+def test_headdim_v_backward(dv):
+    check_attention(2, 65, 97, 4, 2, 64 if dv == 32 else 192, torch.bfloat16, True, (-1, -1), 0.0, dv=dv)
+
+
+def test_qkvpacked():
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 67, 3, 4, 64, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    out = triflash.flash_attn_qkvpacked_func(qkv, causal=True)
+    q, k, v = qkv.unbind(2)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert max_err(out, ref) <= fa_tolerance(ref, pt)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    (dqkv_ref,) = torch.autograd.grad(ref, qkv, dout)
+    (dqkv_pt,) = torch.autograd.grad(pt, qkv, dout)
+    assert dqkv.shape == qkv.shape
+    assert max_err(dqkv, dqkv_ref) <= fa_tolerance(dqkv_ref, dqkv_pt)
+
+
+def test_qkvpacked_gqa():
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(1, 45, 4 + 2 * 2, 32, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+    out = triflash.flash_attn_qkvpacked_func(qkv, num_heads_q=4)
+    q, k, v = qkv.split([4, 2, 2], dim=2)
+    ref, _ = attention_ref(q, k, v)
+    pt, _ = attention_ref(q, k, v, upcast=False)
+    assert out.shape == (1, 45, 4, 32)
+    assert max_err(out, ref) <= fa_tolerance(ref, pt)
+
+
+def test_fa3_drop_in_module():
+    import triflash as flash_attn_interface
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func"):
+        assert callable(getattr(flash_attn_interface, name))

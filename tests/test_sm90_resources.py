@@ -1,0 +1,107 @@
+"""Hopper resource check, no GPU needed: the tile configurations the sm90 dispatch picks
+(``configs.SM90_FWD`` / ``SM90_BWD``) compile for sm_90a to at most 232448 bytes of shared
+memory (the per-block opt-in limit of H100/H200) and without register spills, unless
+``sm90_report.SPILL_BUDGET`` allows a configuration some spill bytes with a written reason.
+
+Compiles go through ``triflash.kernels.sm90_report`` (Triton's sm_90a compiler + ptxas);
+under TRITON_INTERPRET=1 (how the rest of the suite runs) that happens in a subprocess
+without it. Results are cached by Triton's hash of the kernel sources, so only edited
+kernels recompile. Skipped when Triton's NVIDIA backend or ptxas is unavailable.
+
+What runs (the full table, 360 launches, is ``python -m triflash.kernels.sm90_report``, about
+25 minutes cold on 2 cores): every kernel launch (forward, backward preprocess, dK/dV with
+and without atomic dQ, dQ) x every head dim {64, 72, 96, 128, 192, 256} x bf16 x the
+feature sets "plain", "causal" and "all" (causal + sliding window + softcap + varlen +
+seqused), plus fp16 for "plain" at head dims 64, 128, 256. TRIFLASH_SM90_FULL=1 runs the
+full table.
+
+    pytest -m sm90            # only this file's tests
+    pytest -m "not sm90"      # everything else
+"""
+import os
+
+import pytest
+
+from triflash.kernels import sm90_report as R
+
+pytestmark = pytest.mark.sm90
+
+
+def _jobs():
+    if os.environ.get("TRIFLASH_SM90_FULL") == "1":
+        return R.all_dispatch_configs()
+    jobs = R.all_dispatch_configs(dtypes=("bf16",), features=("plain", "causal", "all"))
+    jobs += R.all_dispatch_configs(headdims=(64, 128, 256), dtypes=("fp16",), features=("plain",))
+    return jobs
+
+
+JOBS = _jobs()
+
+
+@pytest.fixture(scope="module")
+def results():
+    problem = R.toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    try:
+        return R.run_report(JOBS)
+    except R.Unavailable as e:
+        pytest.skip(f"sm_90a toolchain unavailable: {e}")
+
+
+def _describe(job, r):
+    return (f"{job.id}: tile (m, n, warps, stages) {job.tile()}, shared {r['shared']} B, "
+            f"{r['registers']} registers, spill stores {r['spill_stores']} B, "
+            f"spill loads {r['spill_loads']} B")
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j.id for j in JOBS])
+def test_shared_memory_fits(results, job):
+    r = results[job.id]
+    assert r["shared"] <= R.MAX_SHARED_SM90, (
+        f"{_describe(job, r)}: over the sm90 limit of {R.MAX_SHARED_SM90} B; "
+        f"shrink the tile or num_stages in configs.py")
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j.id for j in JOBS])
+def test_no_register_spills(results, job):
+    r = results[job.id]
+    allowed = R.SPILL_BUDGET.get(job.id, (0, ""))[0]
+    assert R.spill_bytes(r) <= allowed, (
+        f"{_describe(job, r)}: spills {R.spill_bytes(r)} B, budget {allowed} B; shrink the "
+        f"tile in configs.py, or add a SPILL_BUDGET entry with the reason it is acceptable")
+
+
+def test_spill_budget_entries_are_justified():
+    known = {j.id for j in R.all_dispatch_configs()}
+    for job_id, entry in R.SPILL_BUDGET.items():
+        assert job_id in known, f"SPILL_BUDGET[{job_id!r}] names no dispatch configuration"
+        assert isinstance(entry, tuple) and len(entry) == 2, f"SPILL_BUDGET[{job_id!r}]: (bytes, reason)"
+        allowed, reason = entry
+        assert isinstance(allowed, int) and allowed > 0, f"SPILL_BUDGET[{job_id!r}] bytes: {allowed!r}"
+        assert isinstance(reason, str) and len(reason.strip()) >= 20, \
+            f"SPILL_BUDGET[{job_id!r}] needs a written reason"
+
+
+def test_parse_ptxas_log():
+    log = """ptxas info    : 11 bytes gmem
+ptxas info    : Compiling entry function 'flash_fwd_kernel' for 'sm_90a'
+ptxas info    : Function properties for flash_fwd_kernel
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 16 bytes smem, 8 bytes cumulative stack size
+"""
+    assert R.parse_ptxas_log(log) == dict(registers=255, spill_stores=4, spill_loads=12,
+                                          stack=8, static_shared=16)
+    with pytest.raises(ValueError):
+        R.parse_ptxas_log("ptxas info    : 11 bytes gmem\n")
+
+
+def test_every_dispatch_tile_is_enumerated():
+    """The table covers every head-dim bucket of the sm90 tables and every kernel."""
+    from triflash.kernels import configs
+    jobs = R.all_dispatch_configs()
+    assert {j.kernel for j in jobs} == set(R.KERNELS)
+    fwd = {j.config for j in jobs if j.kernel == "flash_fwd_kernel"}
+    bwd = {j.config for j in jobs if j.kernel != "flash_fwd_kernel"}
+    assert set(configs.SM90_FWD.values()) <= fwd
+    assert set(configs.SM90_BWD.values()) <= bwd

@@ -1,0 +1,141 @@
+"""Bad input raises an exception naming the argument, the value and what is allowed."""
+import pytest
+import torch
+
+import triflash
+
+from conftest import DEVICE
+
+
+def qkv(b=1, sq=8, sk=8, h=2, hk=2, d=16, dv=None, dtype=torch.float16, device=DEVICE):
+    dv = d if dv is None else dv
+    return (torch.randn(b, sq, h, d, device=device).to(dtype), torch.randn(b, sk, hk, d, device=device).to(dtype),
+            torch.randn(b, sk, hk, dv, device=device).to(dtype))
+
+
+def expect(exc, *fragments):
+    return pytest.raises(exc, match=".*".join(fragments))
+
+
+def test_float64_rejected():
+    q, k, v = qkv()
+    with expect(TypeError, "q.dtype", "float64", "float16 or torch.bfloat16"):
+        triflash.flash_attn_func(q.double(), k, v)
+
+
+def test_mixed_dtypes_rejected():
+    q, k, v = qkv()
+    with expect(TypeError, "dtypes", "share one dtype"):
+        triflash.flash_attn_func(q, k.bfloat16(), v)
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    with expect(ValueError, r"q.dim\(\)=3", "expected 4 dims"):
+        triflash.flash_attn_func(q[0], k, v)
+
+
+@pytest.mark.parametrize("d", [12, 264, 0])
+def test_bad_headdim(d):
+    q, k, v = qkv(d=max(d, 1) if d else 16)
+    if d == 0:
+        q, k, v = q[..., :0], k[..., :0], v[..., :0]
+    with expect(ValueError, "head dim", str(d), "multiple of 8"):
+        triflash.flash_attn_func(q, k, v)
+
+
+def test_mismatched_shapes():
+    q, k, v = qkv()
+    with expect(ValueError, "k head dim", "must equal"):
+        triflash.flash_attn_func(q, k[..., :8], v)
+    with expect(ValueError, "seqlen_k"):
+        triflash.flash_attn_func(q, k, v[:, :4])
+    with expect(ValueError, "batch sizes"):
+        triflash.flash_attn_func(q, k.expand(2, -1, -1, -1), v)
+
+
+def test_gqa_heads_must_divide():
+    q, k, v = qkv(h=3, hk=2)
+    with expect(ValueError, "nheads_kv=2", "divide nheads=3"):
+        triflash.flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (1,), "ab", (1.5, 2)])
+def test_bad_window(window):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="window_size"):
+        triflash.flash_attn_func(q, k, v, window_size=window)
+
+
+def test_bad_scalars():
+    q, k, v = qkv()
+    with expect(ValueError, "softcap=-1.0", ">= 0"):
+        triflash.flash_attn_func(q, k, v, softcap=-1.0)
+    with expect(ValueError, "softmax_scale=nan"):
+        triflash.flash_attn_func(q, k, v, softmax_scale=float("nan"))
+    with expect(TypeError, "causal=1", "bool"):
+        triflash.flash_attn_func(q, k, v, causal=1)
+
+
+def test_unsupported_fa3_arguments():
+    q, k, v = qkv()
+    with expect(NotImplementedError, "attention_chunk"):
+        triflash.flash_attn_func(q, k, v, attention_chunk=128)
+    with expect(NotImplementedError, "qv"):
+        triflash.flash_attn_func(q, k, v, qv=q)
+
+
+def test_cpu_tensors_without_interpreter_explained(monkeypatch):
+    from triflash import dispatch
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    q, k, v = qkv(device="cpu")
+    with expect(ValueError, "q.device=cpu", "TRITON_INTERPRET=1"):
+        triflash.flash_attn_func(q, k, v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs two devices: cpu and cuda")
+def test_different_devices():
+    q, k, v = qkv()
+    with expect(ValueError, "device", "one device"):
+        triflash.flash_attn_func(q, k.cpu(), v)
+
+
+def _varlen_inputs():
+    q = torch.randn(10, 2, 16, device=DEVICE).half()
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    return q, q.clone(), q.clone(), cu
+
+
+def test_varlen_cu_seqlens_checked():
+    q, k, v, cu = _varlen_inputs()
+    with expect(ValueError, "cu_seqlens_q", "int32"):
+        triflash.flash_attn_varlen_func(q, k, v, cu.long(), cu, 6, 6)
+    triflash.set_check_inputs(True)
+    try:
+        bad = torch.tensor([0, 7, 4], dtype=torch.int32, device=DEVICE)
+        with expect(ValueError, "cu_seqlens_k", r"c\[0\] <= c\[1\]"):
+            triflash.flash_attn_varlen_func(q, k, v, cu, bad, 6, 7)
+        too_long = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
+        with expect(ValueError, "cu_seqlens_q", "10"):
+            triflash.flash_attn_varlen_func(q, k, v, too_long, cu, 8, 6)
+        with expect(ValueError, "max_seqlen_q", "longest sequence, 6"):
+            triflash.flash_attn_varlen_func(q, k, v, cu, cu, 5, 6)
+    finally:
+        triflash.set_check_inputs(False)
+
+
+def test_varlen_seqused_shape():
+    q, k, v, cu = _varlen_inputs()
+    with expect(ValueError, "seqused_k", r"shape \(2,\)"):
+        triflash.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6,
+                                        seqused_k=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
+def test_malformed_cu_seqlens_never_read_out_of_bounds():
+    """With checks off, cu_seqlens past the tensor are clamped inside the kernel."""
+    q, k, v, _ = _varlen_inputs()
+    huge = torch.tensor([0, 4, 1 << 30], dtype=torch.int32, device=DEVICE)
+    out = triflash.flash_attn_varlen_func(q, k, v, huge, huge, 6, 6) if DEVICE == "cuda" else None
+    if out is not None:
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
