@@ -188,3 +188,19 @@ def test_fa3_drop_in_module():
     import triflash as flash_attn_interface
     for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func"):
         assert callable(getattr(flash_attn_interface, name))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_split_dkdv_passes(monkeypatch, deterministic):
+    """The two-pass dK/dV backward (one accumulator per pass) computes the same gradients,
+    whatever tile table the target uses."""
+    import dataclasses
+    from triflash.kernels import configs
+    original = configs.bwd_config
+    monkeypatch.setattr(configs, "bwd_config", lambda *a: dataclasses.replace(original(*a), split_dkdv=True))
+    check_attention(BATCH, 113, 203, 4, 2, 64, torch.float16, True, (-1, -1), 0.0,
+                    deterministic=deterministic)
+    check_attention(1, 128, 217, 4, 1, 40, torch.bfloat16, False, (17, 5), 0.0,
+                    deterministic=deterministic)
+    check_attention(1, 239, 65, 2, 2, 72, torch.float16, True, (29, -1), 15.0,
+                    deterministic=deterministic)

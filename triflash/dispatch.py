@@ -8,7 +8,8 @@
     forward:  portable forward, tile from configs.fwd_config(target, d, dv)
     backward: portable backward, tile from configs.bwd_config(target, d, dv);
               deterministic=True  -> dK/dV kernel + separate dQ kernel (no atomics)
-              deterministic=False -> dK/dV kernel with fp32 atomic dQ
+              deterministic=False -> dK/dV kernel with fp32 atomic dQ, unless the tile
+                                     says atomic_dq=False (then as deterministic=True)
 
 A Hopper tier (Gluon) slots in here as another backend; until it exists every target uses
 the portable kernels, and ``force_backend("portable")`` (or TRIFLASH_BACKEND=portable) is
@@ -69,5 +70,6 @@ def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
             params, deterministic):
     target = target_of(q.device)
     cfg = configs.bwd_config(target, q.shape[-1], v.shape[-1])
+    use_atomics = cfg.atomic_dq and not deterministic
     return portable.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                        seqused_k, params, cfg, deterministic, upcast=target == "interpret")
+                        seqused_k, params, cfg, not use_atomics, upcast=target == "interpret")

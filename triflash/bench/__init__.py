@@ -10,7 +10,9 @@ Usage::
     python scripts/readme_table.py bench-results.json --update README.md
 
 Impls (``--impls``, default all): ``triflash`` (normal dispatch), ``triflash-portable``
-(inside ``triflash.force_backend("portable")``), ``sdpa-flash``, ``sdpa-cudnn``,
+(inside ``triflash.force_backend("portable")``), ``triflash-varlen`` (the same batch
+through ``flash_attn_varlen_func`` as equal-length packed sequences, ``"varlen": true``),
+``triflash-deterministic`` (``deterministic=True``), ``sdpa-flash``, ``sdpa-cudnn``,
 ``sdpa-efficient`` (SDPA pinned to one backend, ``.transpose(1, 2)`` views), ``flex``
 (compiled FlexAttention), ``fa2``, ``fa3``, ``fa4`` (Dao-AILab packages), and on the CPU
 ``sdpa-math``. A peer that does not import, or fails on its first case, is skipped with the

@@ -194,7 +194,8 @@ def run_cases(cases, impls, args, device, skipped):
             progress.step(f"{case.label()} {impl.name}")
             if impl.name in skipped:
                 continue
-            base = dict(impl=impl.name, **case.fields(), ms=None, tflops=None,
+            base = dict(impl=impl.name, **{**case.fields(), "varlen": getattr(impl, "varlen", False)},
+                        ms=None, tflops=None,
                         max_err=dict.fromkeys(report.ERR_NAMES), passed=None, bwd_fwd_ratio=None,
                         host_ms=None,
                         note=ref.note if ref else "not checked (--no-check)")

@@ -15,10 +15,10 @@ device (and set TRITON_INTERPRET) before triflash is imported.
 import contextlib
 import importlib
 
-GPU_IMPLS = ("triflash", "triflash-portable", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
-             "flex", "fa2", "fa3", "fa4")
-CPU_IMPLS = ("triflash", "triflash-portable", "sdpa-math")
-SUBJECTS = ("triflash", "triflash-portable")  # what is under test: failures set the exit code
+GPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic",
+             "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa2", "fa3", "fa4")
+CPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "sdpa-math")
+SUBJECTS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic")  # what is under test: failures set the exit code
 
 
 def _first(out):
@@ -50,15 +50,16 @@ class Triflash(Impl):
     """triflash.flash_attn_func with normal dispatch, or pinned to one backend."""
     devices = ("cuda", "cpu")
 
-    def __init__(self, name, backend=None):
-        self.name, self.backend = name, backend
+    def __init__(self, name, backend=None, deterministic=False):
+        self.name, self.backend, self.deterministic = name, backend, deterministic
 
     def load(self):
         self.tf = importlib.import_module("triflash")
 
     def make(self, case, device):
         f, causal, window = self.tf.flash_attn_func, case.causal, tuple(case.window_size)
-        return lambda q, k, v: f(q, k, v, causal=causal, window_size=window)
+        det = self.deterministic
+        return lambda q, k, v: f(q, k, v, causal=causal, window_size=window, deterministic=det)
 
     def context(self):
         if self.backend is None:
@@ -67,6 +68,28 @@ class Triflash(Impl):
 
     def version(self):
         return getattr(self.tf, "__version__", None)
+
+
+class TriflashVarlen(Triflash):
+    """triflash.flash_attn_varlen_func on the case's batch packed as equal-length sequences
+    (views of the dense tensors, no copies): varlen against dense on the same problem."""
+    varlen = True
+
+    def unsupported(self, case):
+        return None
+
+    def make(self, case, device):
+        import torch
+        f, causal, window = self.tf.flash_attn_varlen_func, case.causal, tuple(case.window_size)
+        b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=device)
+
+        def fn(q, k, v):
+            out = f(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, sq, sk,
+                    causal=causal, window_size=window)
+            return out.unflatten(0, (b, sq))
+        return fn
 
 
 class Sdpa(Impl):
@@ -181,6 +204,8 @@ def make_impl(name):
     table = {
         "triflash": lambda: Triflash("triflash"),
         "triflash-portable": lambda: Triflash("triflash-portable", "portable"),
+        "triflash-varlen": lambda: TriflashVarlen("triflash-varlen"),
+        "triflash-deterministic": lambda: Triflash("triflash-deterministic", deterministic=True),
         "sdpa-flash": lambda: Sdpa("sdpa-flash", "FLASH_ATTENTION"),
         "sdpa-cudnn": lambda: Sdpa("sdpa-cudnn", "CUDNN_ATTENTION"),
         "sdpa-efficient": lambda: Sdpa("sdpa-efficient", "EFFICIENT_ATTENTION"),

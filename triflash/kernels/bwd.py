@@ -4,12 +4,15 @@ Three kernels:
 
 * ``bwd_preprocess_kernel``: delta = rowsum(dO * O) in fp32, one program per query block.
 * ``bwd_dkdv_kernel``: one program per key block (BLOCK_N keys) of one KV head. K and V stay
-  in registers, dK and dV accumulate in fp32 registers over every query head of the GQA
+  on chip, dK and dV accumulate in fp32 registers over every query head of the GQA
   group and every query block that ``m_block_range`` says visits the key block; Q, dO, LSE
   and delta stream. Per query block: S = K Q^T, P = exp(S - lse), dV += P dO,
   dP = V dO^T, dS = P (dP - delta), dK += dS Q (4 matmuls). With ``ATOMIC_DQ`` it also does
   the 5th matmul, dQ += dS^T K, and adds it to an fp32 ``dq_accum`` with float atomics
-  (fast, not bitwise reproducible).
+  (fast, not bitwise reproducible). ``DO_DK`` / ``DO_DV`` split it into two launches, one
+  accumulating dV only (S, dV: 2 matmuls) and one dK only (S, dP, dK [, dQ]): S is
+  computed twice, but each program holds one BLOCK_N x D fp32 accumulator instead of two,
+  which at head dim 256 is what lets a key block be large without spilling.
 * ``bwd_dq_kernel``: one program per query block, dQ accumulated in registers over the
   visited key blocks, recomputing P and dS (3 matmuls); no atomics, so the deterministic
   backward is this kernel plus ``bwd_dkdv_kernel`` without ``ATOMIC_DQ``.
@@ -63,7 +66,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
                 HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
                 BLOCK_M: tl.constexpr, MASK: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr):
+                ATOMIC_DQ: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+                UPCAST: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     d_ok = offs_d < HEADDIM
     dv_ok = offs_dv < HEADDIM_V
@@ -78,7 +82,6 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
         # lse in log2 units; rows past the sequence (and rows that saw no key) get +inf so P = 0
         lse = tl.load(lse_base + offs_m.to(tl.int64) * stride_lsem, mask=row_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = tl.load(delta_base + offs_m.to(tl.int64) * stride_lsem, mask=row_ok, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -92,17 +95,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
         if MASK:
             pT = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k,
                                   window_left, window_right, HAS_LEFT, HAS_RIGHT), pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do)
-        dpT = tl.dot(v, tl.trans(do))
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT = dsT * (1.0 - t * t)
-        dsT = dsT.to(q.dtype)
-        dk += tl.dot(dsT, q)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT), k) * softmax_scale
-            tl.atomic_add(dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :], dq,
-                          mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+        if DO_DV:
+            dv += tl.dot(pT.to(do.dtype), do)
+        if DO_DK:
+            delta = tl.load(delta_base + offs_m.to(tl.int64) * stride_lsem, mask=row_ok, other=0.0)
+            dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - delta[None, :])
+            if SOFTCAP:
+                dsT = dsT * (1.0 - t * t)
+            dsT = dsT.to(q.dtype)
+            dk += tl.dot(dsT, q)
+            if ATOMIC_DQ:
+                dq = tl.dot(tl.trans(dsT), k) * softmax_scale
+                tl.atomic_add(dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :], dq,
+                              mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -124,7 +130,7 @@ def bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, UPCAST: tl.constexpr,
 ):
     n_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -146,12 +152,22 @@ def bwd_dkdv_kernel(
     v_ptrs = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
               + (start_k + offs_n[:, None]).to(tl.int64) * stride_vn + offs_dv[None, :])
     k = tl.load(k_ptrs, mask=col_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
-    v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+    if DO_DK:
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+    else:
+        v = k  # unused: the dV-only pass never forms dP
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # a pass that skips dK (or dV) carries a 1x1 placeholder instead of a BLOCK_N x D tile
+    if DO_DK:
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    else:
+        dk = tl.zeros([1, 1], dtype=tl.float32)
+    if DO_DV:
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    else:
+        dv = tl.zeros([1, 1], dtype=tl.float32)
     m_min, m_full_min, m_full_max, m_max = m_block_range(
         n_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
@@ -172,27 +188,29 @@ def bwd_dkdv_kernel(
                              m_min, m_full_min, offs_n, offs_d, offs_dv, len_q, len_k,
                              window_left, window_right, qk_scale, softmax_scale, softcap_log2,
                              HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                             ATOMIC_DQ, UPCAST)
+                             ATOMIC_DQ, DO_DK, DO_DV, UPCAST)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
                              stride_qm, stride_dom, stride_dqm, stride_lsem,
                              m_full_min, m_full_max, offs_n, offs_d, offs_dv, len_q, len_k,
                              window_left, window_right, qk_scale, softmax_scale, softcap_log2,
                              HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                             ATOMIC_DQ, UPCAST)
+                             ATOMIC_DQ, DO_DK, DO_DV, UPCAST)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
                              stride_qm, stride_dom, stride_dqm, stride_lsem,
                              m_full_max, m_max, offs_n, offs_d, offs_dv, len_q, len_k,
                              window_left, window_right, qk_scale, softmax_scale, softcap_log2,
                              HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                             ATOMIC_DQ, UPCAST)
+                             ATOMIC_DQ, DO_DK, DO_DV, UPCAST)
 
     dk = dk * softmax_scale
     dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
                + (start_k + offs_n[:, None]).to(tl.int64) * stride_dkn + offs_d[None, :])
     dv_ptrs = (DV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
                + (start_k + offs_n[:, None]).to(tl.int64) * stride_dvn + offs_dv[None, :])
-    tl.store(dk_ptrs, to_output(dk, DK.dtype.element_ty, UPCAST), mask=col_ok[:, None] & (offs_d[None, :] < HEADDIM))
-    tl.store(dv_ptrs, to_output(dv, DV.dtype.element_ty, UPCAST), mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+    if DO_DK:
+        tl.store(dk_ptrs, to_output(dk, DK.dtype.element_ty, UPCAST), mask=col_ok[:, None] & (offs_d[None, :] < HEADDIM))
+    if DO_DV:
+        tl.store(dv_ptrs, to_output(dv, DV.dtype.element_ty, UPCAST), mask=col_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
 
 
 @triton.jit

@@ -28,6 +28,12 @@ class BwdConfig:
     dq_block_n: int
     dq_warps: int
     dq_stages: int
+    # deterministic=False: True adds dQ with fp32 atomics inside the dK/dV kernel (5 matmuls);
+    # False runs the separate dQ kernel (7 matmuls, no atomics, bitwise reproducible).
+    atomic_dq: bool = True
+    # True: dV and dK in two launches of the dK/dV kernel, one fp32 accumulator each
+    # (S = K Q^T computed twice); lets head dim 256 use larger key blocks without spills.
+    split_dkdv: bool = False
 
 
 # The CPU interpreter: tiles small enough that test sequences of ~100-800 tokens span
@@ -36,17 +42,24 @@ class BwdConfig:
 INTERPRET_FWD = FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 
-# Hopper (sm90) through the portable Triton path. Chosen by scripts/sweep.py on the H200
-# (bf16, seqlen 8192, 16k tokens; see benchmarks/results/sweep-*.json).
+# Hopper (sm90) through the portable Triton path. Screened on the CPU for spills with
+# ``python -m triflash.kernels.sm90_report`` (every masked variant spills somewhat at head
+# dim >= 128: the Hopper tier is what removes that), then timed by scripts/sweep.py on the
+# H200 (bf16, seqlen 8192, 16k tokens; seed case at 256). Why each backward tile:
+#  64:  BLOCK_N 128 keys keep Q/dO reuse high; BLOCK_M 32 is the largest with no spill.
+#  128: BLOCK_M 16 x BLOCK_N 128 is the only combined dK/dV tile without spills.
+#  256: two fp32 BLOCK_N x 256 accumulators cannot share 255 registers at BLOCK_N >= 64, so
+#       dK and dV run as two passes (split_dkdv) with BLOCK_N 128, and dQ in its own kernel
+#       (no atomics: BLOCK_N x 256 fp32 atomics per query block would swamp L2).
 SM90_FWD = {
-    64: FwdConfig(128, 128, 4, 3),
+    64: FwdConfig(128, 128, 8, 3),
     128: FwdConfig(128, 128, 8, 3),
     256: FwdConfig(128, 64, 8, 2),
 }
 SM90_BWD = {
-    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
-    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
-    256: BwdConfig(64, 64, 8, 1, 64, 64, 8, 1),
+    64: BwdConfig(32, 128, 8, 3, 128, 64, 8, 3),
+    128: BwdConfig(16, 128, 8, 3, 128, 32, 8, 2),
+    256: BwdConfig(16, 128, 8, 2, 128, 32, 8, 2, atomic_dq=False, split_dkdv=True),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -149,16 +149,20 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
 
     atomic_dq = not deterministic
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
-    bwd_dkdv_kernel[(triton.cdiv(p.max_seqlen_k, cfg.dkdv_block_n), s["batch"] * nheads_kv)](
-        q, k, v, dout, lse, delta, dq_accum, dk, dv,
-        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
-        *_bshd_strides(dout, varlen), *lse_strides, *_bshd_strides(dq_accum, varlen),
-        *_bshd_strides(dk, varlen), *_bshd_strides(dv, varlen),
-        *s["ptrs"], nheads, nheads_kv, *s["sizes"],
-        qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
-        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **s["flags"], **flags,
-        ATOMIC_DQ=atomic_dq, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-    )
+    # one launch computing dK and dV, or (split_dkdv) a dV pass and a dK(+dQ) pass
+    passes = [(True, False), (False, True)] if cfg.split_dkdv else [(True, True)]
+    for do_dk, do_dv in passes:
+        bwd_dkdv_kernel[(triton.cdiv(p.max_seqlen_k, cfg.dkdv_block_n), s["batch"] * nheads_kv)](
+            q, k, v, dout, lse, delta, dq_accum, dk, dv,
+            *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+            *_bshd_strides(dout, varlen), *lse_strides, *_bshd_strides(dq_accum, varlen),
+            *_bshd_strides(dk, varlen), *_bshd_strides(dv, varlen),
+            *s["ptrs"], nheads, nheads_kv, *s["sizes"],
+            qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
+            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **s["flags"], **flags,
+            ATOMIC_DQ=atomic_dq and do_dk, DO_DK=do_dk, DO_DV=do_dv,
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        )
     if atomic_dq:
         dq.copy_(dq_accum)
     else:
