@@ -16,8 +16,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
 # 1. GPU tests: the same files as CI, sizes scaled up when CUDA is present.
-timeout "${TEST_TIMEOUT:-180}" python3 -m pytest tests -q -n 8 -p no:cacheprovider \
-  -m "not sm90" --ignore=tests/test_bench_cpu.py 2>&1 | tail -n 60 | tee "$OUT_DIR/gpu-tests.txt"
+timeout "${TEST_TIMEOUT:-160}" python3 -m pytest tests -q -n 8 -p no:cacheprovider \
+  -m "not sm90" -p no:logging --tb=short --ignore=tests/test_bench_cpu.py 2>&1 | tail -n 80 | tee "$OUT_DIR/gpu-tests.txt"
 
 # 2. The benchmark: every installed peer, same run, correctness checked.
 timeout "${BENCH_TIMEOUT:-330}" python3 -m triflash.bench --preset h200 --commit "$COMMIT" \

@@ -50,17 +50,19 @@ def test_compile_fullgraph_no_graph_breaks():
 
 def test_compile_varlen_fullgraph():
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(50, 2, 16, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+    q, k, v = (torch.randn(50, 2, 16, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+               for _ in range(3))
     cu = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
 
-    def f(q):
-        return triflash.flash_attn_varlen_func(q, q, q, cu, cu, 30, 30, causal=True,
+    def f(q, k, v):
+        return triflash.flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, causal=True,
                                               deterministic=True).float().sum()
 
-    loss = torch.compile(f, fullgraph=True, backend=BACKEND)(q)
-    (grad,) = torch.autograd.grad(loss, q)
-    (grad_eager,) = torch.autograd.grad(f(q), q)
-    assert max_err(grad, grad_eager) == 0.0
+    loss = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    grads_eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for a, b in zip(grads, grads_eager):
+        assert max_err(a, b) == 0.0
 
 
 def test_return_lse_under_compile():

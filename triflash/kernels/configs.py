@@ -42,24 +42,30 @@ class BwdConfig:
 INTERPRET_FWD = FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 
-# Hopper (sm90) through the portable Triton path. Screened on the CPU for spills with
-# ``python -m triflash.kernels.sm90_report`` (every masked variant spills somewhat at head
-# dim >= 128: the Hopper tier is what removes that), then timed by scripts/sweep.py on the
-# H200 (bf16, seqlen 8192, 16k tokens; seed case at 256). Why each backward tile:
-#  64:  BLOCK_N 128 keys keep Q/dO reuse high; BLOCK_M 32 is the largest with no spill.
-#  128: BLOCK_M 16 x BLOCK_N 128 is the only combined dK/dV tile without spills.
-#  256: two fp32 BLOCK_N x 256 accumulators cannot share 255 registers at BLOCK_N >= 64, so
-#       dK and dV run as two passes (split_dkdv) with BLOCK_N 128, and dQ in its own kernel
-#       (no atomics: BLOCK_N x 256 fp32 atomics per query block would swamp L2).
+# Hopper (sm90) through the portable Triton path. Candidates screened on the CPU for spills
+# (``python -m triflash.kernels.sm90_report``), then timed by scripts/sweep.py on the H200
+# (bf16, non-causal, seqlen 8192 at 16k tokens; the seed case 1x8192x36 at head dim 256):
+# benchmarks/results/sweep-h200-6ffbd25.json (measured while the GPU tests shared the card,
+# so read it for ranking, not absolute speed). TFLOPS there, best first:
+#   fwd  64: 128x128 w4 s3 377 > 128x64 w4 363 > 128x128 w8 360
+#   fwd 128: 128x128 w8 s3 479 > 128x64 w8 406
+#   fwd 256: 128x64 w8 s2 486 > 128x32 320 > 64x64 244
+#   bwd  64: dkdv 64x128 + atomic dQ 282 > dkdv 32x128 (no spills) 232-241
+#   bwd 128: dkdv 64x128 + atomic dQ 310 > 16x128 (no spills) 240-284 > split 202-213
+#   bwd 256: split dK/dV 32x128 s2 + dQ kernel 128x32 247 > the same with 16x128 179 >
+#            combined 64x64 + atomic dQ 146 (the tile before this sweep) > combined + dQ kernel 112
+# At 64/128 the larger tiles win despite spilling a few hundred bytes; at 256 two fp32
+# BLOCK_N x 256 accumulators cannot share 255 registers, so dK and dV run as two passes
+# (split_dkdv) with 128-key blocks, and dQ in its own kernel (no atomics).
 SM90_FWD = {
-    64: FwdConfig(128, 128, 8, 3),
+    64: FwdConfig(128, 128, 4, 3),
     128: FwdConfig(128, 128, 8, 3),
     256: FwdConfig(128, 64, 8, 2),
 }
 SM90_BWD = {
-    64: BwdConfig(32, 128, 8, 3, 128, 64, 8, 3),
-    128: BwdConfig(16, 128, 8, 3, 128, 32, 8, 2),
-    256: BwdConfig(16, 128, 8, 2, 128, 32, 8, 2, atomic_dq=False, split_dkdv=True),
+    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
+    256: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2, atomic_dq=False, split_dkdv=True),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).
