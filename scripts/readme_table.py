@@ -22,8 +22,10 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 
 
 def case_key(r):
+    # "varlen" is not part of the case: triflash-varlen runs the same problem packed, and its
+    # impl name already says so
     return (r["batch"], r["seqlen_q"], r["seqlen_k"], r["nheads"], r["nheads_kv"], r["headdim"],
-            r["headdim_v"], r["causal"], tuple(r["window_size"]), r["dtype"], r.get("varlen", False))
+            r["headdim_v"], r["causal"], tuple(r["window_size"]), r["dtype"])
 
 
 def case_name(r):
@@ -42,8 +44,15 @@ def cell(row):
     return text + " FAIL" if row.get("passed") is False else text
 
 
-def _order(names, preferred=("triflash", "triflash-portable", "fa4", "fa3", "sdpa-cudnn",
-                             "sdpa-flash", "sdpa-efficient", "flex", "fa2", "sdpa-math")):
+def _ratio(a, b):
+    if not a or not b or not a.get("tflops") or not b.get("tflops"):
+        return "-"
+    return f"{a['tflops'] / b['tflops']:.2f}x"
+
+
+def _order(names, preferred=("triflash", "triflash-portable", "triflash-deterministic",
+                             "triflash-varlen", "fa4", "fa3", "sdpa-cudnn", "sdpa-flash",
+                             "sdpa-efficient", "flex", "fa2", "sdpa-math")):
     rank = {n: i for i, n in enumerate(preferred)}
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
@@ -63,6 +72,9 @@ def markdown(data, modes=("fwd", "bwd")):
         table[key][(r["impl"], r["mode"])] = r
     ratio_impl = next((i for i in ("triflash", "triflash-portable") if i in impls), None)
     head = ["case (b x s x h x d)", "causal"] + [f"{i} {' / '.join(modes)}" for i in impls]
+    vs_cudnn = ratio_impl and "sdpa-cudnn" in impls
+    if vs_cudnn:
+        head.append(f"{ratio_impl} / sdpa-cudnn {' / '.join(modes)}")
     if ratio_impl and "fwd" in modes and "bwd" in modes:
         head.append(f"{ratio_impl} bwd/fwd time")
     dtypes = sorted({r["dtype"] for r in results})
@@ -70,6 +82,9 @@ def markdown(data, modes=("fwd", "bwd")):
     for key, r in cases:
         row = [case_name(r), "yes" if r["causal"] else "no"]
         row += [" / ".join(cell(table[key].get((i, m))) for m in modes) for i in impls]
+        if vs_cudnn:
+            row.append(" / ".join(_ratio(table[key].get((ratio_impl, m)), table[key].get(("sdpa-cudnn", m)))
+                                  for m in modes))
         if len(head) > len(row):
             bwd = table[key].get((ratio_impl, "bwd")) or {}
             row.append(f"{bwd['bwd_fwd_ratio']:.2f}" if bwd.get("bwd_fwd_ratio") else "-")

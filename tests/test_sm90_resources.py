@@ -8,12 +8,15 @@ under TRITON_INTERPRET=1 (how the rest of the suite runs) that happens in a subp
 without it. Results are cached by Triton's hash of the kernel sources, so only edited
 kernels recompile. Skipped when Triton's NVIDIA backend or ptxas is unavailable.
 
-What runs (the full table, 360 launches, is ``python -m triflash.kernels.sm90_report``, about
-25 minutes cold on 2 cores): every kernel launch (forward, backward preprocess, dK/dV with
-and without atomic dQ, dQ) x every head dim {64, 72, 96, 128, 192, 256} x bf16 x the
-feature sets "plain", "causal" and "all" (causal + sliding window + softcap + varlen +
-seqused), plus fp16 for "plain" at head dims 64, 128, 256. TRIFLASH_SM90_FULL=1 runs the
-full table.
+What runs: the launches ``sm90_report.all_dispatch_configs()`` records from the dispatch
+(forward; backward preprocess, dK/dV with or without atomic dQ or as split dK/dV passes, dQ)
+for every head dim {64, 72, 96, 128, 192, 256} x bf16 x the feature sets "plain", "causal"
+and "all" (causal + sliding window + softcap + varlen + seqused), with deterministic False
+and True, plus fp16 "plain" at head dims 64, 128, 256: ~100 distinct compiles, ~4.5 minutes
+cold on 2 cores (a file lock makes pytest-xdist workers share one compile pass), seconds
+when cached. The full table (fp16 everywhere, "window", "softcap" and "varlen" too: 360
+launches, ~324 compiles, ~15 minutes cold) is ``python -m triflash.kernels.sm90_report``;
+TRIFLASH_SM90_FULL=1 makes this file check all of it.
 
     pytest -m sm90            # only this file's tests
     pytest -m "not sm90"      # everything else
@@ -50,7 +53,7 @@ def results():
 
 
 def _describe(job, r):
-    return (f"{job.id}: tile (m, n, warps, stages) {job.tile()}, shared {r['shared']} B, "
+    return (f"{job.id}: tile (m, n, warps, stages) {job.tile}, shared {r['shared']} B, "
             f"{r['registers']} registers, spill stores {r['spill_stores']} B, "
             f"spill loads {r['spill_loads']} B")
 
@@ -105,3 +108,4 @@ def test_every_dispatch_tile_is_enumerated():
     bwd = {j.config for j in jobs if j.kernel != "flash_fwd_kernel"}
     assert set(configs.SM90_FWD.values()) <= fwd
     assert set(configs.SM90_BWD.values()) <= bwd
+    assert len({j.id for j in jobs}) == len(jobs)

@@ -1,21 +1,25 @@
 """Compile the Triton kernels for Hopper (sm_90a) on any machine, GPU or not, and report what
-each configuration the sm90 dispatch can pick costs: shared memory, registers, spills.
+each launch the sm90 dispatch can make costs: shared memory, registers, spills.
 
-    python -m triflash.kernels.sm90_report            # the whole table (cached results reused)
-    python -m triflash.kernels.sm90_report --no-cache # recompile everything, time each compile
-    python -m triflash.kernels.sm90_report --json out.json --only ID ...
+    python -m triflash.kernels.sm90_report             # the whole table (cached results reused)
+    python -m triflash.kernels.sm90_report --no-cache  # recompile everything, time each compile
+    python -m triflash.kernels.sm90_report --only ID ... [--json out.json]
 
-How a configuration becomes a compile, so that it matches a real launch:
+What is compiled, so that it matches real launches:
 
-1. ``portable.fwd`` / ``portable.bwd`` (the host code dispatch calls on sm90) run on ``meta``
-   tensors of a representative problem while every JIT kernel in ``portable`` is replaced by
-   a recorder; so the arguments, constexprs and launch options are exactly the host code's.
+1. ``dispatch.run_fwd`` / ``run_bwd`` run on ``meta`` tensors of a representative problem
+   with the target forced to "sm90" and every Triton kernel replaced by a recorder. So the
+   tile config, the atomic-dQ rule, split dK/dV passes, arguments, constexprs and launch
+   options are exactly the dispatch's and the host code's; one host call can record several
+   launches (preprocess, dK/dV pass(es), dQ). ``compile_sm90`` with an explicit config
+   records the same way with that config in place of the table's.
 2. The recorded arguments are specialized with Triton's own ``native_specialize_impl`` (what
    ``JITFunction.run`` does): ints equal to 1 become constexprs, ints divisible by 16 and
    pointers get ``tt.divisibility=16``. Pointers count as 16-byte aligned (torch allocations
-   are); the problem is MHA with 16 heads, dense seqlen 4096, so the strides of contiguous
-   (batch, seqlen, heads, dim) tensors are divisible by 16 exactly when heads * dim is, and
-   the head stride when dim is (72: no). Varlen: batch stride 0, 8007 tokens, max_seqlen 2048.
+   are). The problem: MHA, 16 heads, dense batch 2 x seqlen 4096, so the strides of
+   contiguous (batch, seqlen, heads, dim) tensors are divisible by 16 exactly when
+   heads * dim is, and the head stride when dim is (72: it is not, as on a real launch).
+   Varlen: batch stride 0, 8007 tokens, max_seqlen 2048.
 3. ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` builds PTX and a cubin
    without a driver. ``metadata.shared`` is the dynamic shared memory the launch requests.
    Registers and spills are not in the metadata without a driver (``n_regs``/``n_spills``
@@ -26,20 +30,23 @@ How a configuration becomes a compile, so that it matches a real launch:
    dynamic shared memory + ptxas's static ``smem`` (0 for these kernels); the 1 KiB that
    cuobjdump lists as SHARED on sm_90 is the per-block reservation, not part of the limit.
 
-Identical compiles (same kernel, signature, constexprs, divisibility and options, e.g. the
-preprocess kernel, which ignores the mask features) are compiled once. Results are cached
-on disk under Triton's cache directory, keyed by Triton's own source hash of the kernel and
-everything it calls, so editing a kernel invalidates exactly its entries.
+Identical compiles (same kernel, signature, constexprs, divisibility and options; e.g. the
+preprocess kernel ignores the mask features) are compiled once, on a process pool. Results
+are cached on disk under Triton's cache directory, keyed by Triton's own source hash of the
+kernel and everything it calls, so editing a kernel invalidates exactly its entries; a file
+lock there makes concurrent runs (pytest-xdist workers) compile each kernel once.
 
-TRITON_INTERPRET: the kernels must be real JITFunctions. If this process imported triflash
-under the interpreter, ``run_report`` (and ``main``) do the work in a subprocess whose
-environment lacks TRITON_INTERPRET.
+TRITON_INTERPRET: compiling needs real JITFunctions. If this process imported triflash
+under the interpreter, ``run_report``, ``compile_sm90`` and ``main`` do the compiling in a
+subprocess whose environment lacks TRITON_INTERPRET (enumerating works either way).
 """
 import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -55,27 +62,27 @@ from . import configs
 # Hopper: largest shared memory one block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin
 # on H100/H200; the SM has 228 KiB, 1 KiB of which is reserved per block).
 MAX_SHARED_SM90 = 232448
-MAX_REGISTERS = 255
 
-# Configurations allowed to spill: job id (see ``Job.id``) -> (max spill bytes, stores +
-# loads, and the reason it is acceptable). Every entry needs a written reason.
+# Launches allowed to spill: job id (see ``Job.id``) -> (max spill bytes, stores + loads,
+# "the written reason it is acceptable").
 SPILL_BUDGET: Dict[str, tuple] = {}
 
-HEADDIMS = (64, 72, 96, 128, 192, 256)   # 72 and 96: not powers of two (masked head dim)
+HEADDIMS = (64, 72, 96, 128, 192, 256)   # 72, 96, 192: not powers of two (masked head dim)
 DTYPES = ("bf16", "fp16")
 KERNELS = ("flash_fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel")
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 @dataclass(frozen=True)
 class Features:
-    """The problem features that change a kernel's constexprs."""
+    """The problem features that change a kernel's constexprs (and the user's
+    ``deterministic`` flag, which picks atomic dQ vs the dQ kernel)."""
     causal: bool = False
     window: tuple = (-1, -1)   # (left, right), -1 unbounded; causal sets right = 0
     softcap: float = 0.0
     varlen: bool = False
     seqused: bool = False      # seqused_q and seqused_k (varlen only)
-    deterministic: bool = False  # backward: separate dQ kernel instead of atomic dQ
+    deterministic: bool = False
 
     def window_left_right(self):
         left, right = self.window
@@ -99,56 +106,188 @@ _SHORT = {"flash_fwd_kernel": "fwd", "bwd_preprocess_kernel": "bwd_pre",
 
 @dataclass(frozen=True)
 class Job:
-    """One kernel launch the sm90 dispatch can make."""
-    kernel: str
-    config: object          # FwdConfig or BwdConfig
+    """One kernel launch the sm90 dispatch makes for one problem."""
+    kernel: str             # the Triton kernel's name
+    config: object          # the FwdConfig / BwdConfig the dispatch used
     headdim: int
     headdim_v: int
     dtype: str              # "bf16" / "fp16"
     feature_name: str
     features: Features
-
-    @property
-    def variant(self) -> str:
-        if self.kernel == "bwd_dkdv_kernel":
-            return "bwd_dkdv" if self.features.deterministic else "bwd_dkdv+atomic_dq"
-        return _SHORT[self.kernel]
+    launch: int = 0         # which launch of ``kernel`` in the host call (split dK/dV: 0, 1)
+    variant: str = ""       # label from the launch's mode constexprs, e.g. bwd_dkdv[dk]+atomic_dq
+    tile: Optional[tuple] = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages) as launched
 
     @property
     def id(self) -> str:
         d = f"d{self.headdim}" if self.headdim == self.headdim_v else f"d{self.headdim}v{self.headdim_v}"
-        return f"{self.variant}-{d}-{self.dtype}-{self.feature_name}"
+        return f"{self.variant or _SHORT.get(self.kernel, self.kernel)}-{d}-{self.dtype}-{self.feature_name}"
 
-    def tile(self):
-        """(block_m, block_n, num_warps, num_stages) of this kernel's launch."""
-        c = self.config
-        if self.kernel == "flash_fwd_kernel":
-            return c.block_m, c.block_n, c.num_warps, c.num_stages
-        if self.kernel == "bwd_dkdv_kernel":
-            return c.dkdv_block_m, c.dkdv_block_n, c.dkdv_warps, c.dkdv_stages
-        if self.kernel == "bwd_dq_kernel":
-            return c.dq_block_m, c.dq_block_n, c.dq_warps, c.dq_stages
-        return None  # preprocess: fixed in portable.bwd
+    @property
+    def direction(self) -> str:
+        return "fwd" if self.kernel == "flash_fwd_kernel" else "bwd"
+
+
+def _variant(name: str, constexprs: dict) -> str:
+    """A short label for a launch: kernel + the mode constexprs that pick its work."""
+    label = _SHORT.get(name, name)
+    do_dk, do_dv = constexprs.get("DO_DK", True), constexprs.get("DO_DV", True)
+    if not (do_dk and do_dv):
+        label += "[dk]" if do_dk else "[dv]"
+    if constexprs.get("ATOMIC_DQ"):
+        label += "+atomic_dq"
+    return label
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording the launches of one host call
+
+
+class _Recorder:
+    def __init__(self, fn, log):
+        self.fn = fn
+        self.log = log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.fn, args, kwargs))
+        return launch
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+@contextlib.contextmanager
+def _recording():
+    """Replace every Triton kernel held by a triflash module with a recorder."""
+    from triton.runtime.jit import KernelInterface
+    log = []
+    saved = [(m, n, v) for m in list(sys.modules.values())
+             if getattr(m, "__name__", "").startswith("triflash")
+             for n, v in list(vars(m).items()) if isinstance(v, KernelInterface)]
+    try:
+        for m, n, v in saved:
+            setattr(m, n, _Recorder(v, log))
+        yield log
+    finally:
+        for m, n, v in saved:
+            setattr(m, n, v)
+
+
+# Representative problem (see the module docstring).
+_BATCH, _SEQLEN, _NHEADS, _NHEADS_KV = 2, 4096, 16, 16
+_VARLEN_BATCH, _VARLEN_TOTAL, _VARLEN_MAX = 4, 8007, 2048
+
+
+def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Features):
+    """Run ``dispatch.run_fwd`` (direction "fwd") or ``run_bwd`` on meta tensors as on sm90.
+    ``config``: None for the dispatch's own table, else the tile to use instead.
+    Returns (the config used, [(kernel name, JIT/interpreted fn, args, kwargs), ...])."""
+    import torch
+    from .. import dispatch
+    from . import portable
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    meta = dict(device="meta", dtype=dt)
+    f32 = dict(device="meta", dtype=torch.float32)
+    if f.varlen:
+        t = _VARLEN_TOTAL
+        q, k = torch.empty(t, _NHEADS, d, **meta), torch.empty(t, _NHEADS_KV, d, **meta)
+        v = torch.empty(t, _NHEADS_KV, dv, **meta)
+        out, lse = torch.empty(t, _NHEADS, dv, **meta), torch.empty(_NHEADS, t, **f32)
+        cu = torch.empty(_VARLEN_BATCH + 1, device="meta", dtype=torch.int32)
+        used = torch.empty(_VARLEN_BATCH, device="meta", dtype=torch.int32) if f.seqused else None
+        max_q = max_k = _VARLEN_MAX
+    else:
+        b, s = _BATCH, _SEQLEN
+        q, k = torch.empty(b, s, _NHEADS, d, **meta), torch.empty(b, s, _NHEADS_KV, d, **meta)
+        v = torch.empty(b, s, _NHEADS_KV, dv, **meta)
+        out, lse = torch.empty(b, s, _NHEADS, dv, **meta), torch.empty(b, _NHEADS, s, **f32)
+        cu = used = None
+        max_q = max_k = _SEQLEN
+    left, right = f.window_left_right()
+    p = portable.AttnParams(softmax_scale=d ** -0.5, window_left=left, window_right=right,
+                            softcap=f.softcap, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    chosen = []
+    table = configs.fwd_config if direction == "fwd" else configs.bwd_config
+
+    def pick(arch, headdim, headdim_v):
+        cfg = table("sm90", headdim, headdim_v) if config is None else config
+        chosen.append(cfg)
+        return cfg
+
+    with _patched(dispatch, "target_of", lambda device: "sm90"), \
+            _patched(configs, table.__name__, pick), _recording() as log:
+        if direction == "fwd":
+            dispatch.run_fwd(q, k, v, cu, cu, used, used, p)
+        else:
+            dispatch.run_bwd(torch.empty_like(out), q, k, v, out, lse, cu, cu, used, used, p,
+                             f.deterministic)
+    if len(chosen) != 1 or not log:
+        raise RuntimeError(f"dispatch.run_{direction} picked {len(chosen)} configs and launched "
+                           f"{len(log)} kernels on sm90; sm90_report expects one config and a "
+                           f"portable Triton launch")
+    return chosen[0], [(fn.fn.__name__, fn, args, kwargs) for fn, args, kwargs in log]
+
+
+def _launch_constexprs(fn, args, kwargs) -> dict:
+    """The launch's arguments by name (JITFunction and InterpretedFunction alike)."""
+    names = list(inspect.signature(fn.fn).parameters)
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    return bound
+
+
+def _jobs_of_call(direction, config, d, dv, dtype, feature_name, f, fingerprints=None) -> List[Job]:
+    """The launches of one host call as Jobs; ``fingerprints`` (a dict) receives each job's
+    keyword arguments (constexprs and options) by job id."""
+    cfg, launches = _record_host_call(direction, config, d, dv, dtype, f)
+    jobs, seen = [], {}
+    for name, fn, args, kwargs in launches:
+        bound = _launch_constexprs(fn, args, kwargs)
+        tile = None
+        if "BLOCK_N" in bound and name != "bwd_preprocess_kernel":
+            tile = (bound.get("BLOCK_M"), bound.get("BLOCK_N"), kwargs.get("num_warps", 4),
+                    kwargs.get("num_stages", 3))
+        index = seen.get(name, 0)
+        seen[name] = index + 1
+        job = Job(name, cfg, d, dv, dtype, feature_name, f, index, _variant(name, bound), tile)
+        jobs.append(job)
+        if fingerprints is not None:
+            fingerprints[job.id] = repr(sorted(kwargs.items()))
+    return jobs
 
 
 def all_dispatch_configs(headdims=HEADDIMS, dtypes=DTYPES, features=tuple(FEATURES)) -> List[Job]:
-    """Every (kernel, tile config, head dim, dtype, features) the sm90 dispatch can launch:
-    forward; backward preprocess; dK/dV with atomic dQ (deterministic=False, the default);
-    dK/dV without atomics + the dQ kernel (deterministic=True)."""
-    jobs = []
+    """Every launch the sm90 dispatch makes, for each head dim (headdim_v = headdim), dtype
+    and feature set, with ``deterministic`` False (the default) and True: forward; backward
+    preprocess, dK/dV (with atomic dQ when the tile allows it and deterministic=False; two
+    passes when the tile says split_dkdv) and the dQ kernel. Launches that are the same for
+    both deterministic settings are listed once. Needs no compiler; works under
+    TRITON_INTERPRET too."""
+    jobs, ids = [], {}
     for d in headdims:
-        dv = d
-        fcfg = configs.fwd_config("sm90", d, dv)
-        bcfg = configs.bwd_config("sm90", d, dv)
         for dtype in dtypes:
             for name in features:
                 f = FEATURES[name]
-                det = dataclasses.replace(f, deterministic=True)
-                jobs += [Job("flash_fwd_kernel", fcfg, d, dv, dtype, name, f),
-                         Job("bwd_preprocess_kernel", bcfg, d, dv, dtype, name, f),
-                         Job("bwd_dkdv_kernel", bcfg, d, dv, dtype, name, f),
-                         Job("bwd_dkdv_kernel", bcfg, d, dv, dtype, name, det),
-                         Job("bwd_dq_kernel", bcfg, d, dv, dtype, name, det)]
+                calls = [("fwd", f), ("bwd", f), ("bwd", dataclasses.replace(f, deterministic=True))]
+                for direction, feats in calls:
+                    prints = {}
+                    for job in _jobs_of_call(direction, None, d, d, dtype, name, feats, prints):
+                        if job.id in ids:  # e.g. preprocess, or dQ at a tile without atomics
+                            if ids[job.id] != prints[job.id]:
+                                raise RuntimeError(
+                                    f"two different launches share the id {job.id}: give the "
+                                    f"mode constexpr that tells them apart a label in _variant()")
+                            continue
+                        ids[job.id] = prints[job.id]
+                        jobs.append(job)
     return jobs
 
 
@@ -194,6 +333,7 @@ def toolchain_problem() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _toolchain_id() -> str:
     import triton
     ptxas = subprocess.run([_ptxas_path(), "--version"], capture_output=True, text=True).stdout
@@ -201,81 +341,7 @@ def _toolchain_id() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Recording a launch and specializing it like JITFunction.run
-
-
-class _Recorder:
-    def __init__(self, fn, log):
-        self.fn = fn
-        self.log = log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append((self.fn, args, kwargs))
-        return launch
-
-
-@contextlib.contextmanager
-def _recording(module):
-    from triton.runtime.jit import JITFunction
-    log = []
-    saved = {n: v for n, v in vars(module).items() if isinstance(v, JITFunction)}
-    if not saved:
-        raise RuntimeError(f"{module.__name__} holds no JITFunction (TRITON_INTERPRET set?)")
-    try:
-        for n, v in saved.items():
-            setattr(module, n, _Recorder(v, log))
-        yield log
-    finally:
-        for n, v in saved.items():
-            setattr(module, n, v)
-
-
-# Representative problem (see the module docstring).
-_BATCH, _SEQLEN, _NHEADS, _NHEADS_KV = 2, 4096, 16, 16
-_VARLEN_BATCH, _VARLEN_TOTAL, _VARLEN_MAX = 4, 8007, 2048
-
-
-def _record_launch(job: Job):
-    """Run the host code on meta tensors; return (JITFunction, args, kwargs) of ``job.kernel``."""
-    import torch
-    from . import portable
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[job.dtype]
-    f = job.features
-    d, dv = job.headdim, job.headdim_v
-    meta = dict(device="meta", dtype=dt)
-    if f.varlen:
-        tq = tk = _VARLEN_TOTAL
-        q = torch.empty(tq, _NHEADS, d, **meta)
-        k = torch.empty(tk, _NHEADS_KV, d, **meta)
-        v = torch.empty(tk, _NHEADS_KV, dv, **meta)
-        out = torch.empty(tq, _NHEADS, dv, **meta)
-        lse = torch.empty(_NHEADS, tq, device="meta", dtype=torch.float32)
-        cu = torch.empty(_VARLEN_BATCH + 1, device="meta", dtype=torch.int32)
-        used = torch.empty(_VARLEN_BATCH, device="meta", dtype=torch.int32) if f.seqused else None
-        max_q = max_k = _VARLEN_MAX
-    else:
-        q = torch.empty(_BATCH, _SEQLEN, _NHEADS, d, **meta)
-        k = torch.empty(_BATCH, _SEQLEN, _NHEADS_KV, d, **meta)
-        v = torch.empty(_BATCH, _SEQLEN, _NHEADS_KV, dv, **meta)
-        out = torch.empty(_BATCH, _SEQLEN, _NHEADS, dv, **meta)
-        lse = torch.empty(_BATCH, _NHEADS, _SEQLEN, device="meta", dtype=torch.float32)
-        cu = used = None
-        max_q = max_k = _SEQLEN
-    left, right = f.window_left_right()
-    p = portable.AttnParams(softmax_scale=d ** -0.5, window_left=left, window_right=right,
-                            softcap=f.softcap, max_seqlen_q=max_q, max_seqlen_k=max_k)
-    with _recording(portable) as log:
-        if job.kernel == "flash_fwd_kernel":
-            portable.fwd(q, k, v, cu, cu, used, used, p, job.config, upcast=False)
-        else:
-            portable.bwd(torch.empty_like(out), q, k, v, out, lse, cu, cu, used, used, p,
-                         job.config, deterministic=f.deterministic, upcast=False)
-    found = [entry for entry in log if entry[0].__name__ == job.kernel]
-    if not found:
-        raise LookupError(f"{job.id}: the host code launched {[e[0].__name__ for e in log]}, "
-                          f"not {job.kernel}")
-    return found[0]
+# Specializing a recorded launch like JITFunction.run
 
 
 def _specialize(fn, args, kwargs):
@@ -309,8 +375,22 @@ def _specialize(fn, args, kwargs):
     return signature, constexprs, attrs, options
 
 
+def _find_launch(job: Job):
+    """Record ``job``'s host call again (in this process) and return its launch."""
+    f = job.features
+    _, launches = _record_host_call(job.direction, job.config, job.headdim, job.headdim_v,
+                                    job.dtype, f)
+    found = [(fn, a, k) for name, fn, a, k in launches if name == job.kernel]
+    if len(found) <= job.launch:
+        raise LookupError(f"{job.id}: the host code launched {[x[0] for x in launches]}, "
+                          f"not launch {job.launch} of {job.kernel}")
+    return found[job.launch]
+
+
 def _spec_of(job: Job) -> dict:
-    fn, args, kwargs = _record_launch(job)
+    fn, args, kwargs = _find_launch(job)
+    if kernels_interpreted():
+        raise RuntimeError("compiling needs JIT kernels (TRITON_INTERPRET is set)")
     signature, constexprs, attrs, options = _specialize(fn, args, kwargs)
     return dict(module=fn.fn.__module__, name=fn.__name__, signature=signature,
                 constexprs=sorted(constexprs.items()), attrs=sorted(attrs.items()),
@@ -445,6 +525,24 @@ def _cache_put(key, value):
     os.replace(fh.name, path)
 
 
+@contextlib.contextmanager
+def _cache_lock():
+    """One compiling run at a time per cache directory (pytest-xdist workers, parallel CLI
+    runs): the next one waits, then finds the results cached."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, at worst duplicate work
+        yield
+        return
+    os.makedirs(_cache_dir(), exist_ok=True)
+    with open(os.path.join(_cache_dir(), ".lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _worker_init():
     os.environ.pop("TRITON_INTERPRET", None)
 
@@ -456,13 +554,34 @@ def _compile_uncached(spec: dict, always_compile: bool) -> dict:
     return _compile_spec(spec)
 
 
+def _compile_all(specs: Dict[str, dict], todo: List[str], workers: int, use_cache: bool,
+                 results: dict, progress):
+    import multiprocessing
+    saved = os.environ.pop("TRITON_INTERPRET", None)  # the spawned workers inherit os.environ
+    try:
+        with concurrent.futures.ProcessPoolExecutor(
+                max_workers=max(1, min(workers, len(todo))),
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_worker_init) as pool:
+            futures = {pool.submit(_compile_uncached, specs[k], not use_cache): k for k in todo}
+            for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+                key = futures[fut]
+                res = fut.result()
+                results[key] = dict(res, cached=False)
+                _cache_put(key, res)
+                if progress:
+                    progress(f"[{i}/{len(todo)}] {specs[key]['name']} "
+                             f"{res['compile_s'] + res['ptxas_s']:.1f}s")
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
 def _run_here(jobs: List[Job], workers: int, use_cache: bool, progress) -> Dict[str, dict]:
-    """Compile ``jobs`` in this process's children; needs JIT (non-interpreted) kernels."""
+    """Compile ``jobs`` on a pool of this process's children; needs JIT kernels here."""
     problem = toolchain_problem()
     if problem:
         raise Unavailable(problem)
-    if kernels_interpreted():
-        raise RuntimeError("triflash was imported under TRITON_INTERPRET; use run_report()")
     toolchain = _toolchain_id()
     specs, keys = {}, {}
     for job in jobs:
@@ -471,42 +590,20 @@ def _run_here(jobs: List[Job], workers: int, use_cache: bool, progress) -> Dict[
         keys[job.id] = key
         specs.setdefault(key, spec)
     results = {}
-    todo = []
-    for key in specs:
-        hit = _cache_get(key) if use_cache else None
-        if hit is not None:
-            results[key] = dict(hit, cached=True)
-        else:
-            todo.append(key)
-    if progress:
-        progress(f"{len(jobs)} launches, {len(specs)} distinct compiles, {len(results)} cached, "
-                 f"{len(todo)} to compile on {workers} worker(s)")
-    if todo:
-        import multiprocessing
-        saved = os.environ.pop("TRITON_INTERPRET", None)  # the spawned workers inherit os.environ
-        try:
-            with concurrent.futures.ProcessPoolExecutor(
-                    max_workers=max(1, min(workers, len(todo))),
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_worker_init) as pool:
-                futures = {pool.submit(_compile_uncached, specs[k], not use_cache): k for k in todo}
-                for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-                    key = futures[fut]
-                    res = fut.result()
-                    results[key] = dict(res, cached=False)
-                    _cache_put(key, res)
-                    if progress:
-                        progress(f"[{i}/{len(todo)}] {specs[key]['name']} "
-                                 f"{res['compile_s'] + res['ptxas_s']:.1f}s")
-        finally:
-            if saved is not None:
-                os.environ["TRITON_INTERPRET"] = saved
-    out = {}
-    for job in jobs:
-        r = dict(results[keys[job.id]])
-        r["key"] = keys[job.id]
-        out[job.id] = r
-    return out
+    with _cache_lock() if use_cache else contextlib.nullcontext():
+        todo = []
+        for key in specs:
+            hit = _cache_get(key) if use_cache else None
+            if hit is not None:
+                results[key] = dict(hit, cached=True)
+            else:
+                todo.append(key)
+        if progress:
+            progress(f"{len(jobs)} launches, {len(specs)} distinct compiles, {len(results)} "
+                     f"cached, {len(todo)} to compile on {min(workers, len(todo))} worker(s)")
+        if todo:
+            _compile_all(specs, todo, workers, use_cache, results, progress)
+    return {job.id: dict(results[keys[job.id]], key=keys[job.id]) for job in jobs}
 
 
 def _clean_env() -> dict:
@@ -524,12 +621,15 @@ def run_report(jobs: Optional[List[Job]] = None, workers: Optional[int] = None,
     workers = workers or os.cpu_count() or 1
     if not kernels_interpreted():
         return _run_here(jobs, workers, use_cache, progress)
+    problem = toolchain_problem()
+    if problem:
+        raise Unavailable(problem)
     with tempfile.TemporaryDirectory() as tmp:
-        ids, out = os.path.join(tmp, "jobs.json"), os.path.join(tmp, "out.json")
-        with open(ids, "w") as fh:
+        jobs_file, out = os.path.join(tmp, "jobs.json"), os.path.join(tmp, "out.json")
+        with open(jobs_file, "w") as fh:
             json.dump([_job_to_json(j) for j in jobs], fh)
         cmd = [sys.executable, "-m", "triflash.kernels.sm90_report", "--quiet", "--json", out,
-               "--jobs-file", ids, "--workers", str(workers)]
+               "--jobs-file", jobs_file, "--workers", str(workers)]
         if not use_cache:
             cmd.append("--no-cache")
         proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True)
@@ -547,14 +647,16 @@ def _job_to_json(job: Job) -> dict:
     return dict(kernel=job.kernel, config_type=type(job.config).__name__,
                 config=dataclasses.asdict(job.config), headdim=job.headdim,
                 headdim_v=job.headdim_v, dtype=job.dtype, feature_name=job.feature_name,
-                features=dataclasses.asdict(job.features))
+                features=dataclasses.asdict(job.features), launch=job.launch,
+                variant=job.variant, tile=job.tile)
 
 
 def _job_from_json(d: dict) -> Job:
     cfg = getattr(configs, d["config_type"])(**d["config"])
     f = dict(d["features"], window=tuple(d["features"]["window"]))
     return Job(d["kernel"], cfg, d["headdim"], d["headdim_v"], d["dtype"], d["feature_name"],
-               Features(**f))
+               Features(**f), d["launch"], d["variant"],
+               None if d["tile"] is None else tuple(d["tile"]))
 
 
 def _jobs_from_ids(ids) -> List[Job]:
@@ -565,22 +667,37 @@ def _jobs_from_ids(ids) -> List[Job]:
     return [by_id[i] for i in ids]
 
 
-def compile_sm90(kernel_name: str, config, headdim: int, headdim_v: int, dtype: str,
+def compile_sm90(kernel_name: str, config, headdim: int, headdim_v: int, dtype,
                  features="plain") -> dict:
-    """Compile one launch for sm_90a: ``kernel_name`` one of KERNELS, ``config`` a FwdConfig
-    or BwdConfig, ``dtype`` "bf16"/"fp16" (or a torch dtype), ``features`` a name in
-    FEATURES or a Features (``deterministic=True`` for the dK/dV kernel without atomic dQ).
-    Returns dict(shared=, registers=, spill_stores=, spill_loads=) plus details
-    (dynamic/static shared, stack, compile seconds). Raises ``Unavailable`` without the
-    toolchain. For many launches use ``run_report`` (one pool, one subprocess at most)."""
+    """Compile the launch(es) of ``kernel_name`` (one of KERNELS) that the sm90 dispatch makes
+    with tile ``config`` (a FwdConfig or BwdConfig, used instead of the table's) for sm_90a.
+
+    ``dtype``: "bf16"/"fp16" or a torch dtype; ``features``: a name in FEATURES or a
+    Features (its ``deterministic`` is the user's flag; for bwd_dq_kernel with an atomic-dQ
+    tile, deterministic=True is implied). Returns dict(shared=, registers=, spill_stores=,
+    spill_loads=, ...). When the kernel is launched more than once (split_dkdv: a dK pass
+    and a dV pass) the four numbers are the worst over the launches, and ``launches`` maps
+    each launch's variant to its own result. Raises ``Unavailable`` without the toolchain.
+    For many configurations use ``run_report`` (one pool, at most one subprocess)."""
     if not isinstance(dtype, str):
         dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}[str(dtype)]
     name = features if isinstance(features, str) else "custom"
     f = FEATURES[features] if isinstance(features, str) else features
-    if kernel_name == "bwd_dq_kernel" and not f.deterministic:
-        f = dataclasses.replace(f, deterministic=True)  # dispatch runs dQ only then
-    job = Job(kernel_name, config, headdim, headdim_v, dtype, name, f)
-    return run_report([job], workers=1)[job.id]
+    direction = "fwd" if kernel_name == "flash_fwd_kernel" else "bwd"
+    jobs = [j for j in _jobs_of_call(direction, config, headdim, headdim_v, dtype, name, f)
+            if j.kernel == kernel_name]
+    if not jobs and kernel_name == "bwd_dq_kernel" and not f.deterministic:
+        f = dataclasses.replace(f, deterministic=True)
+        jobs = [j for j in _jobs_of_call(direction, config, headdim, headdim_v, dtype, name, f)
+                if j.kernel == kernel_name]
+    if not jobs:
+        raise LookupError(f"the sm90 dispatch launches no {kernel_name} for {config}, {f}")
+    results = run_report(jobs, workers=min(len(jobs), os.cpu_count() or 1))
+    if len(jobs) == 1:
+        return results[jobs[0].id]
+    worst = {k: max(results[j.id][k] for j in jobs)
+             for k in ("shared", "registers", "spill_stores", "spill_loads", "stack")}
+    return dict(worst, launches={j.variant: results[j.id] for j in jobs})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,23 +715,22 @@ def problems(job: Job, r: dict) -> List[str]:
         out.append(f"shared {r['shared']} > {MAX_SHARED_SM90}")
     allowed = SPILL_BUDGET.get(job.id, (0, ""))[0]
     if spill_bytes(r) > allowed:
-        out.append(f"spills {r['spill_stores']}B st / {r['spill_loads']}B ld (budget {allowed})")
+        out.append(f"spills {spill_bytes(r)} B > budget {allowed}")
     return out
 
 
 def format_table(jobs: List[Job], results: Dict[str, dict]) -> str:
-    head = (f"{'kernel':<20} {'hdim':>5} {'dtype':<5} {'features':<8} {'tile (m,n,w,s)':<15} "
-            f"{'smem B':>7} {'regs':>4} {'spill st/ld':>11} {'compile s':>9}  status")
+    head = (f"{'kernel':<22} {'hdim':>4} {'dtype':<5} {'features':<8} {'tile m,n,w,s':<13} "
+            f"{'smem B':>7} {'regs':>4} {'spill st/ld B':>13} {'compile s':>9}  status")
     lines = [head, "-" * len(head)]
     for job in jobs:
         r = results[job.id]
-        tile = job.tile()
-        tile_s = "pre 64" if tile is None else ",".join(map(str, tile))
+        tile_s = "-" if job.tile is None else ",".join(map(str, job.tile))
         bad = problems(job, r)
         secs = r["compile_s"] + r["ptxas_s"]
         lines.append(
-            f"{job.variant:<20} {job.headdim:>5} {job.dtype:<5} {job.feature_name:<8} {tile_s:<15} "
-            f"{r['shared']:>7} {r['registers']:>4} {r['spill_stores']:>5}/{r['spill_loads']:<5} "
+            f"{job.variant:<22} {job.headdim:>4} {job.dtype:<5} {job.feature_name:<8} {tile_s:<13} "
+            f"{r['shared']:>7} {r['registers']:>4} {r['spill_stores']:>6}/{r['spill_loads']:<6} "
             f"{secs:>8.1f}{'*' if r.get('cached') else ' '}  {'; '.join(bad) if bad else 'ok'}")
     return "\n".join(lines)
 
@@ -631,16 +747,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if kernels_interpreted():  # re-run without the interpreter
-        cmd = [sys.executable, "-m", "triflash.kernels.sm90_report", *(sys.argv[1:] if argv is None else argv)]
+        cmd = [sys.executable, "-m", "triflash.kernels.sm90_report",
+               *(sys.argv[1:] if argv is None else argv)]
         return subprocess.run(cmd, env=_clean_env()).returncode
 
     t0 = time.perf_counter()
-    jobs = all_dispatch_configs()
     if args.jobs_file:
         with open(args.jobs_file) as fh:
             jobs = [_job_from_json(d) for d in json.load(fh)]
-    if args.only:
+    elif args.only:
         jobs = _jobs_from_ids(args.only)
+    else:
+        jobs = all_dispatch_configs()
     say = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         results = _run_here(jobs, args.workers, not args.no_cache, say)
@@ -660,13 +778,15 @@ def main(argv=None) -> int:
         distinct = {r["key"]: r for r in results.values()}
         fresh = [r for r in distinct.values() if not r.get("cached")]
         bad = [j.id for j in jobs if problems(j, results[j.id])]
+        over = [j.id for j in jobs if results[j.id]["shared"] > MAX_SHARED_SM90]
         print(f"\n{len(jobs)} launches, {len(distinct)} distinct compiles "
-              f"({len(fresh)} compiled now, {len(distinct) - len(fresh)} from cache; * = cached)")
+              f"({len(fresh)} compiled now, {len(distinct) - len(fresh)} from cache, marked *)")
         if fresh:
             per = sorted(r["compile_s"] + r["ptxas_s"] for r in fresh)
             print(f"compile time per kernel (triton.compile + ptxas -v): min {per[0]:.1f}s, "
                   f"median {per[len(per) // 2]:.1f}s, max {per[-1]:.1f}s, sum {sum(per):.0f}s")
-        print(f"{len(bad)} launch(es) over the shared-memory limit or spill budget")
+        print(f"{len(over)} launch(es) over {MAX_SHARED_SM90} B of shared memory; "
+              f"{len(bad) - len(over)} more over the spill budget")
         print(f"total runtime {elapsed:.1f}s on {args.workers} worker(s); {_toolchain_id()}")
     return 0
 
