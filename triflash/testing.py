@@ -100,6 +100,31 @@ def fa_tolerance(ref, ref_lowp, rtol=2.0):
     return rtol * max_err(ref_lowp, ref) + atol
 
 
+def assert_matches_reference(out, lse, out_ref, lse_ref, out_lowp, inputs, dout, softcap=0.0):
+    """FlashAttention-3's checks on one call: out and lse against the fp32 reference (rows that
+    see no key have lse exactly -inf), then dq/dk/dv for ``dout`` against the fp32 reference's
+    gradients, each error within ``fa_tolerance`` of the low-precision reference's (rtol 3
+    and +3e-4 with softcap, as FA3). Returns the kernel's gradients."""
+    rtol = 2.0 if softcap == 0.0 else 3.0
+    assert not out.isnan().any(), "output has NaN (unwritten or invalid)"
+    err, tol = max_err(out, out_ref), fa_tolerance(out_ref, out_lowp, rtol)
+    assert err <= tol, f"out: max error {err} > tolerance {tol}"
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isneginf(lse), ~seen), "lse is -inf exactly where a row sees no key"
+    if seen.any():
+        scale = max(1.0, lse_ref[seen].abs().max().item())
+        assert max_err(lse[seen], lse_ref[seen]) <= 1e-3 * scale
+    grads = torch.autograd.grad(out, inputs, dout)
+    grads_ref = torch.autograd.grad(out_ref, inputs, dout)
+    grads_lowp = torch.autograd.grad(out_lowp, inputs, dout)
+    for name, g, g_ref, g_lowp in zip(("dq", "dk", "dv"), grads, grads_ref, grads_lowp):
+        assert not g.isnan().any(), f"{name} has NaN"
+        err = max_err(g, g_ref)
+        tol = fa_tolerance(g_ref, g_lowp, rtol) + (0.0 if softcap == 0.0 else 3e-4)
+        assert err <= tol, f"{name}: max error {err} > tolerance {tol}"
+    return grads
+
+
 def flops(batch, nheads, seqlen_q, seqlen_k, headdim, headdim_v=None, causal=False,
           window_size=(-1, -1), mode="fwd"):
     """FlashAttention benchmark convention: 2 matmuls forward, 2.5x that backward; the
@@ -130,4 +155,4 @@ def _pairs_closed_form(sq, sk, left, right):
 
 
 __all__ = ["attention_ref", "attention_varlen_ref", "visible_mask", "fa_tolerance", "max_err",
-           "flops"]
+           "assert_matches_reference", "flops"]
