@@ -74,3 +74,20 @@ def test_return_lse_under_compile():
     out, lse = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v)
     out_e, lse_e = f(q, k, v)
     assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+
+
+def test_permuted_layout_under_compile():
+    """q stored as (batch, heads, seqlen, dim) and viewed as (batch, seqlen, heads, dim): the
+    fake implementations must report the strides the real ops return."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g).to(DEVICE, torch.float16).transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        out = triflash.flash_attn_func(q, k, v, causal=True, deterministic=True)
+        return (out.float() * 2).sum()
+
+    grads = torch.autograd.grad(torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v), (q, k, v))
+    grads_eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for a, b in zip(grads, grads_eager):
+        assert max_err(a, b) == 0.0

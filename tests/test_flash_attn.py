@@ -188,3 +188,13 @@ def test_split_dkdv_passes(monkeypatch, deterministic):
                     deterministic=deterministic)
     check_attention(1, 239, 65, 2, 2, 72, torch.float16, True, (29, -1), 15.0,
                     deterministic=deterministic)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 7), (2, 0, 7)], ids=["batch0", "seqlen_q0"])
+def test_empty_problems(shape):
+    batch, sq, sk = shape
+    q, k, v = _inputs(batch, sq, sk, 2, 1, 16, 16, torch.float16)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == (batch, sq, 2, 16) and lse.shape == (batch, 2, sq)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert dq.shape == q.shape and torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
