@@ -91,3 +91,8 @@ def test_permuted_layout_under_compile():
     grads_eager = torch.autograd.grad(f(q, k, v), (q, k, v))
     for a, b in zip(grads, grads_eager):
         assert max_err(a, b) == 0.0
+    out, lse = torch.ops.triflash.fwd(q, k, v, None, None, None, None, 40, 40, 32 ** -0.5, -1, 0, 0.0, True)
+    torch.library.opcheck(torch.ops.triflash.bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(),
+                           lse.detach(), None, None, None, None, 40, 40, 32 ** -0.5, -1, 0, 0.0, True),
+                          test_utils=("test_faketensor",))
