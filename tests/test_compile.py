@@ -96,3 +96,22 @@ def test_permuted_layout_under_compile():
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(),
                            lse.detach(), None, None, None, None, 40, 40, 32 ** -0.5, -1, 0, 0.0, True),
                           test_utils=("test_faketensor",))
+
+
+def test_qkvpacked_ops_opcheck_and_compile():
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(1, 37, 3, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    args = (qkv, 0, 32 ** -0.5, -1, 0, 0.0, True)
+    torch.library.opcheck(torch.ops.triflash.fwd_qkvpacked.default, args)
+    out, lse = torch.ops.triflash.fwd_qkvpacked(*args)
+    torch.library.opcheck(torch.ops.triflash.bwd_qkvpacked.default,
+                          (torch.randn_like(out), qkv.detach(), out.detach(), lse.detach(), 0,
+                           32 ** -0.5, -1, 0, 0.0, True),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+    def f(qkv):
+        return (triflash.flash_attn_qkvpacked_func(qkv, causal=True, deterministic=True).float() * 2).sum()
+
+    (grad,) = torch.autograd.grad(torch.compile(f, fullgraph=True, backend=BACKEND)(qkv), qkv)
+    (grad_eager,) = torch.autograd.grad(f(qkv), qkv)
+    assert max_err(grad, grad_eager) == 0.0

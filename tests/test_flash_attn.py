@@ -150,22 +150,31 @@ def test_qkvpacked():
     pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
     assert max_err(out, ref) <= fa_tolerance(ref, pt)
     dout = torch.randn_like(out)
+    assert "fwd_qkvpacked" in type(out.grad_fn).__name__  # one packed dqkv, no concatenation
     (dqkv,) = torch.autograd.grad(out, qkv, dout)
     (dqkv_ref,) = torch.autograd.grad(ref, qkv, dout)
     (dqkv_pt,) = torch.autograd.grad(pt, qkv, dout)
-    assert dqkv.shape == qkv.shape
+    assert dqkv.shape == qkv.shape and not dqkv.isnan().any()
     assert max_err(dqkv, dqkv_ref) <= fa_tolerance(dqkv_ref, dqkv_pt)
 
 
-def test_qkvpacked_gqa():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_qkvpacked_gqa(deterministic):
     g = torch.Generator().manual_seed(4)
-    qkv = torch.randn(1, 45, 4 + 2 * 2, 32, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
-    out = triflash.flash_attn_qkvpacked_func(qkv, num_heads_q=4)
+    qkv = torch.randn(2, 45, 4 + 2 * 2, 32, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+    out = triflash.flash_attn_qkvpacked_func(qkv, num_heads_q=4, window_size=(9, 2),
+                                             deterministic=deterministic)
     q, k, v = qkv.split([4, 2, 2], dim=2)
-    ref, _ = attention_ref(q, k, v)
-    pt, _ = attention_ref(q, k, v, upcast=False)
-    assert out.shape == (1, 45, 4, 32)
+    ref, _ = attention_ref(q, k, v, window_size=(9, 2))
+    pt, _ = attention_ref(q, k, v, window_size=(9, 2), upcast=False)
+    assert out.shape == (2, 45, 4, 32)
     assert max_err(out, ref) <= fa_tolerance(ref, pt)
+    dout = torch.randn(out.shape, generator=g).to(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    (dqkv_ref,) = torch.autograd.grad(ref, qkv, dout)
+    (dqkv_pt,) = torch.autograd.grad(pt, qkv, dout)
+    assert not dqkv.isnan().any()
+    assert max_err(dqkv, dqkv_ref) <= fa_tolerance(dqkv_ref, dqkv_pt)
 
 
 def test_fa3_drop_in_module():

@@ -139,3 +139,13 @@ def test_malformed_cu_seqlens_never_read_out_of_bounds():
     if out is not None:
         torch.cuda.synchronize()
         assert not out.isnan().any()
+
+
+def test_qkvpacked_layout_checked():
+    qkv = torch.randn(1, 8, 4, 2, 16, device=DEVICE).half()
+    with expect(ValueError, r"qkv.shape\[2\]=4", "expected 3"):
+        triflash.flash_attn_qkvpacked_func(qkv)
+    with expect(ValueError, "num_heads_q=None", "required"):
+        triflash.flash_attn_qkvpacked_func(qkv[:, :, 0])
+    with expect(ValueError, "num_heads_q=3", "nheads_kv >= 1"):
+        triflash.flash_attn_qkvpacked_func(qkv.flatten(2, 3)[:, :, :6], num_heads_q=3)

@@ -67,9 +67,11 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
 
 
 def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            params, deterministic):
+            params, deterministic, dq=None, dk=None, dv=None):
+    """(dq, dk, dv); given dq/dk/dv (any strides, e.g. views of one packed dqkv) are written."""
     target = target_of(q.device)
     cfg = configs.bwd_config(target, q.shape[-1], v.shape[-1])
     use_atomics = cfg.atomic_dq and not deterministic
     return portable.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                        seqused_k, params, cfg, not use_atomics, upcast=target == "interpret")
+                        seqused_k, params, cfg, not use_atomics, upcast=target == "interpret",
+                        dq=dq, dk=dk, dv=dv)

@@ -86,25 +86,30 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     """Attention over a packed qkv: (batch, seqlen, 3, nheads, headdim), or
     (batch, seqlen, nheads_q + 2 * nheads_kv, headdim) with ``num_heads_q`` (GQA).
 
-    q, k and v are strided views into qkv (no copies); the kernels take any strides."""
+    The kernels read q, k and v as strided views of qkv, and the backward writes dq, dk
+    and dv into views of one dqkv (no concatenation)."""
     import torch
+    _fa3_extras(None, q_descale, k_descale, v_descale, attention_chunk)
+    _check_flag("causal", causal)
+    _check_flag("deterministic", deterministic)
     if not isinstance(qkv, torch.Tensor):
         V._fail("qkv", type(qkv).__name__, "expected a torch.Tensor", TypeError)
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
             V._fail("qkv.shape[2]", qkv.shape[2], "expected 3 for (batch, seqlen, 3, nheads, headdim)")
-        q, k, v = qkv.unbind(dim=2)
+        num_heads_q = 0  # the ops' marker for the 5-dim layout
     elif qkv.dim() == 4:
         if num_heads_q is None:
             V._fail("num_heads_q", None, "required with a 4-dim qkv (batch, seqlen, nheads_q + 2 * nheads_kv, headdim)")
         nheads_kv2 = qkv.shape[2] - num_heads_q
         if num_heads_q <= 0 or nheads_kv2 <= 0 or nheads_kv2 % 2 != 0:
             V._fail("num_heads_q", num_heads_q, f"qkv has {qkv.shape[2]} heads; need nheads_q + 2 * nheads_kv with nheads_kv >= 1")
-        q, k, v = qkv.split([num_heads_q, nheads_kv2 // 2, nheads_kv2 // 2], dim=2)
     else:
         V._fail("qkv.dim()", qkv.dim(), "expected 5 dims (batch, seqlen, 3, nheads, headdim) or 4 with num_heads_q")
-    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                           window_size=window_size, attention_chunk=attention_chunk,
-                           softcap=softcap, deterministic=deterministic, sm_margin=sm_margin,
-                           return_attn_probs=return_attn_probs)
+    qkv = V.last_dim_contiguous(qkv)
+    q, k, v = ops.split_qkv(qkv, num_heads_q)
+    V.check_qkv(q, k, v, varlen=False)
+    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = V.normalize_window(window_size, causal)
+    out, lse = ops.fwd_qkvpacked(qkv, num_heads_q, softmax_scale, left, right, softcap, deterministic)
+    return (out, lse) if return_attn_probs else out

@@ -4,6 +4,10 @@
 ``torch.compile(fullgraph=True)`` traces through them without graph breaks, and the forward
 carries its autograd formula (``register_autograd``), so eager autograd and AOTAutograd
 both see the same backward. Dense and varlen share the ops: varlen is "cu_seqlens given".
+
+``triflash::fwd_qkvpacked`` / ``bwd_qkvpacked`` take one packed qkv and return one packed
+dqkv: the backward kernels write dq, dk and dv straight into views of it, so the gradient
+of a packed input costs no concatenation.
 """
 from typing import Optional, Tuple
 
@@ -11,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .kernels.portable import AttnParams
+from .kernels.portable import AttnParams, alloc_output
 
 
 def _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap):
@@ -84,3 +88,63 @@ def _backward(ctx, dout, dlse):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def split_qkv(qkv: Tensor, num_heads_q: int):
+    """Views q, k, v of a packed qkv: (b, s, 3, h, d), or (b, s, hq + 2 * hk, d) with
+    ``num_heads_q`` = hq (then num_heads_q > 0; for the 5-dim layout pass 0)."""
+    if qkv.dim() == 5:
+        return qkv.unbind(dim=2)
+    nheads_kv = (qkv.shape[2] - num_heads_q) // 2
+    return qkv.split([num_heads_q, nheads_kv, nheads_kv], dim=2)
+
+
+@torch.library.custom_op("triflash::fwd_qkvpacked", mutates_args=())
+def fwd_qkvpacked(qkv: Tensor, num_heads_q: int, softmax_scale: float, window_left: int,
+                  window_right: int, softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+    q, k, v = split_qkv(qkv, num_heads_q)
+    p = _params(q.shape[1], k.shape[1], softmax_scale, window_left, window_right, softcap)
+    return dispatch.run_fwd(q, k, v, None, None, None, None, p)
+
+
+@fwd_qkvpacked.register_fake
+def _(qkv, num_heads_q, softmax_scale, window_left, window_right, softcap, deterministic):
+    q, _, _ = split_qkv(qkv, num_heads_q)
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("triflash::bwd_qkvpacked", mutates_args=())
+def bwd_qkvpacked(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, num_heads_q: int,
+                  softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                  deterministic: bool) -> Tensor:
+    """dqkv, shaped like qkv (contiguous); the kernels write into its q/k/v views."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    q, k, v = split_qkv(qkv, num_heads_q)
+    dqkv = alloc_output(qkv.shape, qkv.dtype, qkv.device)
+    dq, dk, dv = split_qkv(dqkv, num_heads_q)
+    p = _params(q.shape[1], k.shape[1], softmax_scale, window_left, window_right, softcap)
+    dispatch.run_bwd(dout, q, k, v, out, lse, None, None, None, None, p, deterministic,
+                     dq=dq, dk=dk, dv=dv)
+    return dqkv
+
+
+@bwd_qkvpacked.register_fake
+def _(dout, qkv, out, lse, num_heads_q, softmax_scale, window_left, window_right, softcap,
+      deterministic):
+    return qkv.new_empty(qkv.shape)
+
+
+def _setup_context_qkvpacked(ctx, inputs, output):
+    qkv, *scalars = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse)
+    ctx.scalars = scalars
+
+
+def _backward_qkvpacked(ctx, dout, dlse):
+    qkv, out, lse = ctx.saved_tensors
+    return (bwd_qkvpacked(dout, qkv, out, lse, *ctx.scalars),) + (None,) * 6
+
+
+fwd_qkvpacked.register_autograd(_backward_qkvpacked, setup_context=_setup_context_qkvpacked)

@@ -23,7 +23,7 @@ from .fwd import flash_fwd_kernel
 POISON = False
 
 
-def _alloc(shape, dtype, device):
+def alloc_output(shape, dtype, device):
     if POISON:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
@@ -97,8 +97,8 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
         lse = torch.full((nheads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     else:
-        out = _alloc(out_shape, q.dtype, q.device)
-        lse = _alloc((q.shape[0], nheads, q.shape[1]), torch.float32, q.device)
+        out = alloc_output(out_shape, q.dtype, q.device)
+        lse = alloc_output((q.shape[0], nheads, q.shape[1]), torch.float32, q.device)
     if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     qk_scale, softcap_log2 = p.score_constants()
@@ -124,9 +124,9 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     varlen = s["varlen"]
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    dq = _alloc(q.shape, q.dtype, q.device) if dq is None else dq
-    dk = _alloc(k.shape, k.dtype, k.device) if dk is None else dk
-    dv = _alloc(v.shape, v.dtype, v.device) if dv is None else dv
+    dq = alloc_output(q.shape, q.dtype, q.device) if dq is None else dq
+    dk = alloc_output(k.shape, k.dtype, k.device) if dk is None else dk
+    dv = alloc_output(v.shape, v.dtype, v.device) if dv is None else dv
     if s["batch"] == 0 or nheads == 0 or p.max_seqlen_q == 0 or p.max_seqlen_k == 0:
         # no query sees any key: every gradient is zero
         dq.zero_(), dk.zero_(), dv.zero_()
@@ -138,7 +138,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     flags = _common_flags(q, v, p, upcast)
     lse_strides = _lse_strides(lse, varlen)
 
-    delta = _alloc(lse.shape, torch.float32, lse.device)
+    delta = alloc_output(lse.shape, torch.float32, lse.device)
     pre_block = 64
     bwd_preprocess_kernel[(triton.cdiv(p.max_seqlen_q, pre_block), s["batch"] * nheads)](
         out, dout, delta, *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *lse_strides,
