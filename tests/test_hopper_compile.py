@@ -1,0 +1,39 @@
+"""Hopper (Gluon) tier, no GPU needed: the smoke kernel ``triflash.kernels.hopper.smoke``
+(TMA loads of a Q and a K tile into NVMMA-swizzled shared memory on an mbarrier, one
+``warpgroup_mma`` S = Q K^T) compiles for sm_90a, its PTX has wgmma and TMA instructions,
+and its shared memory fits the per-block opt-in limit of H100/H200.
+
+Gluon has no interpreter and the suite runs with TRITON_INTERPRET=1, so the compile runs in
+a subprocess without it (``smoke.compile_sm90_subprocess``). Skipped when Triton's NVIDIA
+backend or ptxas is unavailable.
+"""
+import pytest
+
+from triflash.kernels import sm90_report as R
+
+pytestmark = pytest.mark.sm90
+
+CASES = [
+    dict(block_m=64, block_n=64, headdim=128, dtype="bf16"),
+    dict(block_m=128, block_n=128, headdim=128, dtype="fp16"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{dtype}-m{block_m}-n{block_n}-d{headdim}".format(**c))
+def test_smoke_kernel_compiles_for_sm90a(case):
+    problem = R.toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    try:
+        from triflash.kernels.hopper import smoke
+    except ImportError as e:  # Triton without Gluon's Hopper pieces
+        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
+    r = smoke.compile_sm90_subprocess(**case)
+    assert r["has_wgmma"], f"no wgmma.mma_async in the PTX: {r}"
+    assert r["has_tma"], f"no cp.async.bulk.tensor in the PTX: {r}"
+    assert r["has_mbarrier"], f"no mbarrier wait in the PTX: {r}"
+    assert r["num_warps"] == 4
+    # Q and K tiles plus one 8-byte mbarrier; nothing else is staged through shared memory.
+    el = 2
+    tiles = (case["block_m"] + case["block_n"]) * case["headdim"] * el
+    assert tiles <= r["shared"] <= R.MAX_SHARED_SM90, r
