@@ -4,16 +4,19 @@
                "sm90"       Hopper (H100/H200)
                "default"    any other CUDA GPU Triton supports
     backend  = "portable"   triflash/kernels/{fwd,bwd}.py, Triton, every target
+               "hopper"     triflash/kernels/hopper/, Gluon, sm90 only
 
-    forward:  portable forward, tile from configs.fwd_config(target, d, dv)
+    forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
+                 (dense batches, headdim == headdim_v in {64, 128, 256}, TMA-aligned strides)
+              otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
     backward: portable backward, tile from configs.bwd_config(target, d, dv);
               deterministic=True  -> dK/dV kernel + separate dQ kernel (no atomics)
               deterministic=False -> dK/dV kernel with fp32 atomic dQ, unless the tile
                                      says atomic_dq=False (then as deterministic=True)
 
-A Hopper tier (Gluon) slots in here as another backend; until it exists every target uses
-the portable kernels, and ``force_backend("portable")`` (or TRIFLASH_BACKEND=portable) is
-what the benchmark uses to show the portable tier on its own.
+``force_backend("portable")`` (or TRIFLASH_BACKEND=portable) pins every call to the portable
+tier (the benchmark's ``triflash-portable``); ``force_backend("hopper")`` makes a case the
+Hopper tier cannot serve an error instead of a silent fallback (tests use it).
 """
 import contextlib
 import os
@@ -23,7 +26,12 @@ import torch
 from .kernels import configs, portable
 from .kernels.fwd import flash_fwd_kernel
 
-BACKENDS = ("auto", "portable")
+try:  # Gluon ships with triton >= 3.5; the portable tier does not need it
+    from .kernels.hopper import fwd as hopper_fwd
+except ImportError:  # pragma: no cover
+    hopper_fwd = None
+
+BACKENDS = ("auto", "portable", "hopper")
 _forced_backend = None
 
 
@@ -48,7 +56,7 @@ def backend() -> str:
 
 @contextlib.contextmanager
 def force_backend(name: str):
-    """Run the enclosed calls on one backend ("auto" or "portable")."""
+    """Run the enclosed calls on one backend ("auto", "portable" or "hopper")."""
     global _forced_backend
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
@@ -59,8 +67,40 @@ def force_backend(name: str):
         _forced_backend = previous
 
 
+def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k) -> str:
+    """'' when the Gluon forward serves this case, else why not."""
+    if hopper_fwd is None:
+        return "triton.experimental.gluon is not available"
+    if target_of(q.device) != "sm90":
+        return "not an sm90 GPU"
+    if k.shape[1] == 0:
+        return "seqlen_k == 0"
+    if cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None:
+        return "varlen / seqused"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv or d not in hopper_fwd.HEAD_DIMS:
+        return f"head dims ({d}, {dv}) (needs equal, one of {hopper_fwd.HEAD_DIMS})"
+    if not hopper_fwd.tma_compatible(q, k, v):
+        return "strides or base pointers not 16-byte aligned (TMA)"
+    return ""
+
+
 def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
     target = target_of(q.device)
+    chosen = backend()
+    if chosen != "portable" and target == "sm90":
+        why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k)
+        if not why_not:
+            cfg = configs.SM90_HOPPER_FWD[q.shape[-1]]
+            out = portable.alloc_output(q.shape, q.dtype, q.device)
+            lse = portable.alloc_output((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
+            if q.shape[1] == 0 or q.shape[0] == 0:
+                return out, lse
+            return hopper_fwd.fwd(q, k, v, out, lse, params, cfg)
+        if chosen == "hopper":
+            raise NotImplementedError(f"triflash: the Hopper forward does not serve this case: {why_not}")
+    elif chosen == "hopper":
+        raise NotImplementedError(f"triflash: the Hopper backend needs an sm90 GPU, got target {target!r}")
     cfg = configs.fwd_config(target, q.shape[-1], v.shape[-1])
     return portable.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params,
                         cfg, upcast=target == "interpret")

@@ -36,6 +36,17 @@ class BwdConfig:
     split_dkdv: bool = False
 
 
+@dataclass(frozen=True)
+class HopperFwdConfig:
+    """Gluon sm90 forward (kernels/hopper/fwd.py): 2 consumer warpgroups x 64 query rows,
+    one TMA loader warp; K/V rings of ``stages`` slots of ``block_n`` keys."""
+    block_n: int
+    stages: int
+    num_consumers: int = 2
+    consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240)
+    loader_regs: int = 24      # setmaxnreg for the loader warp (FA3: 24)
+
+
 # The CPU interpreter: tiles small enough that test sequences of ~100-800 tokens span
 # several blocks (edge masks, partial blocks and the unmasked middle all run), large enough
 # that the interpreter's per-iteration cost stays bearable in CI; tl.dot needs >= 16.
@@ -54,6 +65,9 @@ INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 #   bwd 128: dkdv 64x128 + atomic dQ 310 > 16x128 (no spills) 240-284 > split 202-213
 #   bwd 256: split dK/dV 32x128 s2 + dQ kernel 128x32 247 > the same with 16x128 179 >
 #            combined 64x64 + atomic dQ 146 (the tile before this sweep) > combined + dQ kernel 112
+# At 64/128 the separate dQ kernel beat the atomic dQ in the same H200 run
+# (h200-9f1c860.json, triflash-deterministic vs triflash: 128: 329.2 vs 313.0, causal 308.3
+# vs 282.4; 64: 286.7 vs 283.7, causal 272.3 vs 264.7), so atomic_dq=False everywhere on sm90.
 # At 64/128 the larger tiles win despite spilling a few hundred bytes; at 256 two fp32
 # BLOCK_N x 256 accumulators cannot share 255 registers, so dK and dV run as two passes
 # (split_dkdv) with 128-key blocks, and dQ in its own kernel (no atomics).
@@ -63,9 +77,19 @@ SM90_FWD = {
     256: FwdConfig(128, 64, 8, 2),
 }
 SM90_BWD = {
-    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
-    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
+    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, atomic_dq=False),
+    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, atomic_dq=False),
     256: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2, atomic_dq=False, split_dkdv=True),
+}
+
+# Hopper tier forward (Gluon), by head dim (= headdim_v). Shared memory (bf16): Q 2 x 64 x D,
+# K and V rings stages x block_n x D each; all fit under 232448 B and compile without spills
+# (tests/test_hopper_compile.py). 256 uses 64-key blocks: S (64 x 128 fp32) next to the
+# 64 x 256 O accumulator would not fit in 240 registers.
+SM90_HOPPER_FWD = {
+    64: HopperFwdConfig(block_n=128, stages=3),
+    128: HopperFwdConfig(block_n=128, stages=2),
+    256: HopperFwdConfig(block_n=64, stages=2),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -1,0 +1,141 @@
+"""Quick H200 probe of the Hopper (Gluon) tier: correctness against the fp32 reference, then
+forward speed beside the portable tier and SDPA-cuDNN, then tile variants.
+
+    python scripts/hopper_probe.py check|speed|tiles [--out DIR]
+
+Each part is meant to run in its own process under `timeout` (a deadlocked kernel must not
+eat the device call). Results: DIR/probe-<part>.json and lines on stdout.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triflash  # noqa: E402
+from triflash import testing  # noqa: E402
+from triflash.kernels import configs  # noqa: E402
+
+CHECK_CASES = [
+    # b, sq, sk, h, hk, causal, window, softcap
+    (2, 1, 1, 4, 4, False, (-1, -1), 0.0),
+    (2, 113, 203, 4, 2, False, (-1, -1), 0.0),
+    (2, 113, 203, 4, 2, True, (-1, -1), 0.0),
+    (1, 239, 1, 2, 1, True, (-1, -1), 0.0),
+    (1, 1, 239, 2, 1, True, (-1, -1), 0.0),
+    (2, 799, 3, 2, 2, True, (-1, -1), 0.0),
+    (2, 3, 799, 2, 2, False, (-1, -1), 0.0),
+    (1, 1024, 1024, 4, 1, True, (-1, -1), 0.0),
+    (2, 1000, 1300, 4, 4, False, (100, 30), 0.0),
+    (2, 1000, 700, 4, 2, True, (64, -1), 0.0),
+    (2, 777, 777, 4, 4, True, (-1, -1), 15.0),
+    (1, 2048, 2048, 8, 8, False, (-1, -1), 0.0),
+]
+
+
+def check(args):
+    torch.manual_seed(0)
+    results = []
+    for d in (64, 128, 256):
+        for dtype in (torch.bfloat16, torch.float16):
+            for (b, sq, sk, h, hk, causal, window, softcap) in CHECK_CASES:
+                q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+                k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+                v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+                kw = dict(causal=causal, window_size=window, softcap=softcap)
+                name = f"d{d} {str(dtype)[6:]} b{b} sq{sq} sk{sk} h{h}/{hk} causal={causal} win={window} cap={softcap}"
+                try:
+                    with triflash.force_backend("hopper"):
+                        out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+                    torch.cuda.synchronize()
+                    out_ref, lse_ref = testing.attention_ref(q, k, v, upcast=True, **kw)
+                    out_lowp, _ = testing.attention_ref(q, k, v, upcast=False, **kw)
+                    dout = torch.randn_like(out)
+                    testing.assert_matches_reference(out, lse, out_ref, lse_ref, out_lowp,
+                                                     (q, k, v), dout, softcap=softcap)
+                    status = "ok"
+                except Exception as e:  # report every case, keep going
+                    status = f"FAIL {type(e).__name__}: {str(e)[:300]}"
+                print(f"{status[:4]:4} {name} {status if status != 'ok' else ''}", flush=True)
+                results.append(dict(case=name, status=status))
+    return results
+
+
+def _bench(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+SPEED_CASES = [(1, 8192, 36, 256), (2, 8192, 16, 128), (2, 8192, 32, 64), (2, 8192, 8, 256),
+               (16, 1024, 8, 256), (4, 4096, 8, 256), (1, 16384, 8, 256), (16, 1024, 16, 128),
+               (1, 16384, 16, 128)]
+
+
+def _fwd_tflops(b, s, h, d, causal, impl):
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if impl == "cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ms = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+    else:
+        with triflash.force_backend(impl):
+            ms = _bench(lambda: triflash.flash_attn_func(q, k, v, causal=causal))
+    return testing.flops(b, h, s, s, d, causal=causal) / ms / 1e9
+
+
+def speed(args):
+    results = []
+    for (b, s, h, d) in SPEED_CASES:
+        for causal in (False, True):
+            row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal)
+            for impl in ("hopper", "portable", "cudnn"):
+                try:
+                    row[impl] = round(_fwd_tflops(b, s, h, d, causal, impl), 1)
+                except Exception as e:
+                    row[impl] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
+def tiles(args):
+    results = []
+    variants = {
+        64: [(128, 2), (128, 3), (64, 4)],
+        128: [(128, 2), (64, 3), (64, 4)],
+        256: [(64, 2), (64, 3), (32, 4)],
+    }
+    for d, cands in variants.items():
+        b, s, h = ((1, 8192, 36) if d == 256 else (2, 8192, 16 if d == 128 else 32))
+        for (bn, st) in cands:
+            configs.SM90_HOPPER_FWD[d] = configs.HopperFwdConfig(block_n=bn, stages=st)
+            for causal in (False, True):
+                try:
+                    t = round(_fwd_tflops(b, s, h, d, causal, "hopper"), 1)
+                except Exception as e:
+                    t = f"{type(e).__name__}: {str(e)[:200]}"
+                row = dict(d=d, block_n=bn, stages=st, causal=causal, tflops=t)
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["check", "speed", "tiles"])
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    t0 = time.time()
+    res = globals()[args.part](args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"probe-{args.part}.json"), "w") as f:
+        json.dump(dict(part=args.part, gpu=torch.cuda.get_device_name(), seconds=time.time() - t0,
+                       results=res), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Hopper (sm90) forward in Gluon: TMA producer warp + wgmma consumer warpgroups.
+
+One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, head):
+
+* **loader** (1 warp, few registers): TMA-loads each consumer's 64-row Q tile once, then
+  streams K and V tiles of the visited key blocks into ``STAGES``-deep rings. Each slot has
+  a ``ready`` barrier (TMA completes it with the byte count) and a ``free`` barrier (every
+  consumer arrives when its wgmma has read the slot).
+* **consumers** (one warpgroup each, 64 query rows each): per key block
+  ``S = Q K^T`` (wgmma, shared x shared), online softmax in registers (exp2, scale folded
+  into log2 e), ``O += P V`` with P kept in registers as the wgmma A operand. The QK^T of
+  block j is issued before the PV of block j-1, so the softmax of block j overlaps the PV
+  wgmma of block j-1 (FA3's intra-warpgroup overlap).
+* key blocks are visited from the last to the first, so the masked blocks (causal diagonal,
+  sequence tail) come first, then the unmasked middle, then the left sliding-window edge;
+  ``common.n_block_range`` decides which is which, as in the portable kernels.
+* epilogue: O / l into the consumer's own Q tile (no longer needed), TMA store (rows past
+  the sequence are clipped by the descriptor), LSE with plain stores.
+
+Descriptors are rank 4 over (batch, seqlen, heads, dim) with blocks (1, rows, 1, dim), so
+any strides with a contiguous last dim work without copies and TMA zero-fills and clips at
+each sequence's end. Not covered here (dispatch falls back to the portable kernels):
+varlen, head dims other than 64/128/256, headdim_v != headdim.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from ..common import n_block_range, scores, visible
+
+ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
+
+
+@gluon.constexpr_function
+def _acc_layout(n, dtype):
+    """wgmma accumulator of one warpgroup: instr m16 x n x k(16 for 16-bit inputs)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.jit
+def _tma_view(buf, desc):
+    """A 2D [rows, dim] smem tile seen as the rank-4 (1, rows, 1, dim) box of ``desc``."""
+    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_bar, k_ring, v_ring,
+                k_ready, v_ready, k_free, v_free,
+                batch, head, head_kv, row0, n_min, n_max,
+                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [batch, row0 + c * BM, head, 0], q_bar,
+                                        _tma_view(q_bufs.index(c), q_desc))
+    for it in range(n_max - n_min):
+        n = n_max - 1 - it
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        # A fresh barrier counts as having completed the phase before 0: the first pass
+        # through the ring does not wait.
+        mbarrier.wait(k_free.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, n * BLOCK_N, head_kv, 0],
+                                        k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
+        mbarrier.wait(v_free.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, n * BLOCK_N, head_kv, 0],
+                                        v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
+
+
+@gluon.jit
+def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, window_left, window_right,
+                    MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """One online-softmax step on log2-domain scores: (p, alpha, m_new, l_new)."""
+    if MASK:
+        s = gl.where(visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), len_q, len_k,
+                             window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = m_new
+    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _fwd_step(it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+              o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+              qk_scale, softcap_log2, window_left, window_right,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+    """Key block number ``it`` (counted from the last): S_it = Q K_it^T overlapped with
+    O += P_{it-1} V_{it-1}; returns the state with P_it pending."""
+    BM: gl.constexpr = q_buf.shape[0]
+    DV: gl.constexpr = v_ring.shape[2]
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
+    o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
+    stage = it % STAGES
+    prev = (it - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+    s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
+                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+    o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))
+    mbarrier.arrive(k_free.index(stage))
+    s = scores(s, qk_scale, softcap_log2, SOFTCAP)
+    cols = (n_max - 1 - it) * BLOCK_N + cols0
+    p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
+                                         window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT)
+    o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(v_free.index(prev))
+    o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_prev = gl.convert_layout(p.to(q_buf.dtype), p_prev.type.layout)
+    return o_acc, m_i, l_i, p_prev
+
+
+@gluon.jit
+def _fwd_consumer(q_buf, q_bar, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                  o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
+                  batch, head, row_start, len_q, len_k, n_min, n_full_min, n_full_max, n_max,
+                  qk_scale, softcap_log2, window_left, window_right,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+    BM: gl.constexpr = q_buf.shape[0]
+    DV: gl.constexpr = v_ring.shape[2]
+    KW: gl.constexpr = 32 // q_buf.dtype.primitive_bitwidth
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
+    o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    rows = row_start + gl.arange(0, BM, layout=row_layout)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BM], gl.float32, layout=row_layout)
+    o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    count = n_max - n_min
+    if count > 0:
+        # Prologue: the last key block, always through the mask (it may be the diagonal or
+        # the sequence tail; masking an unmasked block is merely a little slower).
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_buf, k_ring.index(0).permute((1, 0)),
+                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        mbarrier.arrive(k_free.index(0))
+        s = scores(s, qk_scale, softcap_log2, SOFTCAP)
+        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1) * BLOCK_N + cols0,
+                                             len_q, len_k, window_left, window_right,
+                                             True, HAS_LEFT, HAS_RIGHT)
+        p_prev = gl.convert_layout(p.to(q_buf.dtype), p_layout)
+        # Steps 1.. : masked right edge, unmasked middle, masked left edge.
+        r1 = gl.maximum(n_max - n_full_max, 1)
+        r2 = gl.maximum(n_max - n_full_min, r1)
+        for it in range(1, r1):
+            o_acc, m_i, l_i, p_prev = _fwd_step(
+                it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                qk_scale, softcap_log2, window_left, window_right,
+                BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+        for it in range(r1, r2):
+            o_acc, m_i, l_i, p_prev = _fwd_step(
+                it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                qk_scale, softcap_log2, window_left, window_right,
+                BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+        for it in range(r2, count):
+            o_acc, m_i, l_i, p_prev = _fwd_step(
+                it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                qk_scale, softcap_log2, window_left, window_right,
+                BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+        # Epilogue: the PV of the first key block.
+        last = (count - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((count - 1) // STAGES) & 1)
+        o_acc = warpgroup_mma(p_prev, v_ring.index(last), o_acc)
+        mbarrier.arrive(v_free.index(last))
+
+    # A row that saw no key: output 0, lse = -inf (never NaN).
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
+             + rows.to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
+    # O goes out through this consumer's Q tile: every wgmma reading it has retired.
+    q_buf.store(out.to(q_buf.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0], _tma_view(q_buf, o_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
+                      nheads, nheads_kv, seqlen_q, seqlen_k,
+                      qk_scale, softcap_log2, window_left, window_right,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    DV: gl.constexpr = v_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(BM == 64, "one warpgroup owns 64 query rows")
+    gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
+
+    # Longest (under causal) query blocks first.
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    head = gl.program_id(1)
+    batch = gl.program_id(2)
+    head_kv = head // (nheads // nheads_kv)
+    n_min, n_full_min, n_full_max, n_max = n_block_range(
+        m_block, seqlen_q, seqlen_k, window_left, window_right,
+        BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    row0 = m_block * (BM * NUM_CONSUMERS)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BM, D], q_layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
+
+    gl.warp_specialize(
+        [(_fwd_consumer, (q_bufs.index(0), q_bar, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                          o_desc, LSE, stride_lseb, stride_lseh, stride_lsem, batch, head, row0,
+                          seqlen_q, seqlen_k, n_min, n_full_min, n_full_max, n_max,
+                          qk_scale, softcap_log2, window_left, window_right,
+                          BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP)),
+         (_fwd_consumer, (q_bufs.index(1), q_bar, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                          o_desc, LSE, stride_lseb, stride_lseh, stride_lsem, batch, head, row0 + BM,
+                          seqlen_q, seqlen_k, n_min, n_full_min, n_full_max, n_max,
+                          qk_scale, softcap_log2, window_left, window_right,
+                          BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP)),
+         (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_bar, k_ring, v_ring,
+                        k_ready, v_ready, k_free, v_free, batch, head, head_kv, row0,
+                        n_min, n_max, NUM_CONSUMERS, BLOCK_N, STAGES))],
+        [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ---- host side --------------------------------------------------------------------------
+
+HEAD_DIMS = (64, 128, 256)
+
+
+def _gl_dtype(dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def descriptor(x, rows):
+    """Rank-4 TMA descriptor over x (batch, seqlen, heads, dim), box (1, rows, 1, dim)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    block = [1, rows, 1, x.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
+    return TensorDescriptor.from_tensor(x, block, layout)
+
+
+def tma_compatible(*tensors) -> bool:
+    """TMA needs 16-byte aligned base pointers and 16-byte multiples for the outer strides."""
+    for x in tensors:
+        if x.data_ptr() % 16 or x.stride(-1) != 1:
+            return False
+        if any((s * x.element_size()) % 16 for s in x.stride()[:-1]):
+            return False
+    return True
+
+
+def fwd(q, k, v, out, lse, params, cfg):
+    """Dense (batch, seqlen, heads, dim) forward into ``out`` and ``lse`` (batch, heads, seqlen_q)."""
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    bm = ROWS_PER_CONSUMER
+    block_m = bm * cfg.num_consumers
+    qk_scale, softcap_log2 = params.score_constants()
+    grid = (triton.cdiv(seqlen_q, block_m), nheads, batch)
+    hopper_fwd_kernel[grid](
+        descriptor(q, bm), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n),
+        descriptor(out, bm), lse, lse.stride(0), lse.stride(1), lse.stride(2),
+        nheads, nheads_kv, seqlen_q, seqlen_k,
+        qk_scale, softcap_log2, params.window_left, params.window_right,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_CONSUMERS=cfg.num_consumers,
+        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+        SOFTCAP=params.softcap > 0.0,
+        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=4,
+    )
+    return out, lse
