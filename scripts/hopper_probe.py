@@ -36,6 +36,19 @@ CHECK_CASES = [
 ]
 
 
+def _check_fwd(out, lse, out_ref, lse_ref, out_lowp, softcap):
+    """The forward half of testing.assert_matches_reference."""
+    rtol = 2.0 if softcap == 0.0 else 3.0
+    assert not out.isnan().any(), "output has NaN"
+    err, tol = testing.max_err(out, out_ref), testing.fa_tolerance(out_ref, out_lowp, rtol)
+    assert err <= tol, f"out: max error {err} > tolerance {tol}"
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isneginf(lse), ~seen), "lse is -inf exactly where a row sees no key"
+    if seen.any():
+        scale = max(1.0, lse_ref[seen].abs().max().item())
+        assert testing.max_err(lse[seen], lse_ref[seen]) <= 1e-3 * scale, "lse error"
+
+
 def check(args):
     torch.manual_seed(0)
     results = []
@@ -53,9 +66,11 @@ def check(args):
                     torch.cuda.synchronize()
                     out_ref, lse_ref = testing.attention_ref(q, k, v, upcast=True, **kw)
                     out_lowp, _ = testing.attention_ref(q, k, v, upcast=False, **kw)
-                    dout = torch.randn_like(out)
-                    testing.assert_matches_reference(out, lse, out_ref, lse_ref, out_lowp,
-                                                     (q, k, v), dout, softcap=softcap)
+                    if args.grads:
+                        testing.assert_matches_reference(out, lse, out_ref, lse_ref, out_lowp,
+                                                         (q, k, v), torch.randn_like(out), softcap=softcap)
+                    else:  # forward only: the backward is the portable one, tested elsewhere
+                        _check_fwd(out, lse, out_ref, lse_ref, out_lowp, softcap)
                     status = "ok"
                 except Exception as e:  # report every case, keep going
                     status = f"FAIL {type(e).__name__}: {str(e)[:300]}"
@@ -128,6 +143,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["check", "speed", "tiles"])
     ap.add_argument("--out", default=".")
+    ap.add_argument("--grads", action="store_true", help="check dq/dk/dv too (slow: compiles the bwd)")
     args = ap.parse_args()
     t0 = time.time()
     res = globals()[args.part](args)
