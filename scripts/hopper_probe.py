@@ -33,6 +33,9 @@ CHECK_CASES = [
     (2, 1000, 700, 4, 2, True, (64, -1), 0.0),
     (2, 777, 777, 4, 4, True, (-1, -1), 15.0),
     (1, 2048, 2048, 8, 8, False, (-1, -1), 0.0),
+    # more tiles than SMs: persistent CTAs walk several tiles (ring phases carry over)
+    (4, 1000, 1000, 16, 4, True, (-1, -1), 0.0),
+    (3, 2000, 1500, 12, 12, False, (300, 100), 0.0),
 ]
 
 
@@ -49,11 +52,26 @@ def _check_fwd(out, lse, out_ref, lse_ref, out_lowp, softcap):
         assert testing.max_err(lse[seen], lse_ref[seen]) <= 1e-3 * scale, "lse error"
 
 
+def _apply_overrides(spec):
+    """'pingpong=1,persistent=0,stages=3' applied to every SM90_HOPPER_FWD entry."""
+    import dataclasses
+    if not spec:
+        return
+    kw = {}
+    for item in spec.split(","):
+        key, val = item.split("=")
+        kw[key] = bool(int(val)) if key in ("pingpong", "persistent") else int(val)
+    for d in list(configs.SM90_HOPPER_FWD):
+        configs.SM90_HOPPER_FWD[d] = dataclasses.replace(configs.SM90_HOPPER_FWD[d], **kw)
+
+
 def check(args):
     torch.manual_seed(0)
+    _apply_overrides(args.config)
+    print("configs:", configs.SM90_HOPPER_FWD, flush=True)
     results = []
     for d in (64, 128, 256):
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in ((torch.bfloat16, torch.float16) if d == 128 else (torch.bfloat16,)):
             for (b, sq, sk, h, hk, causal, window, softcap) in CHECK_CASES:
                 q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
                 k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -118,24 +136,33 @@ def speed(args):
 
 
 def tiles(args):
+    """Schedule variants (pingpong x persistent) of each head dim's tile, 8k and 1k tokens."""
+    import dataclasses
     results = []
-    variants = {
-        64: [(128, 2), (128, 3), (64, 4)],
-        128: [(128, 2), (64, 3), (64, 4)],
-        256: [(64, 2), (64, 3), (32, 4)],
-    }
-    for d, cands in variants.items():
-        b, s, h = ((1, 8192, 36) if d == 256 else (2, 8192, 16 if d == 128 else 32))
-        for (bn, st) in cands:
-            configs.SM90_HOPPER_FWD[d] = configs.HopperFwdConfig(block_n=bn, stages=st)
-            for causal in (False, True):
-                try:
-                    t = round(_fwd_tflops(b, s, h, d, causal, "hopper"), 1)
-                except Exception as e:
-                    t = f"{type(e).__name__}: {str(e)[:200]}"
-                row = dict(d=d, block_n=bn, stages=st, causal=causal, tflops=t)
-                print(json.dumps(row), flush=True)
-                results.append(row)
+    base = dict(configs.SM90_HOPPER_FWD)
+    shapes = {64: [(2, 8192, 32)], 128: [(2, 8192, 16), (16, 1024, 16)],
+              256: [(1, 8192, 36), (16, 1024, 8)]}
+    for d, shape_list in shapes.items():
+        for pp in (False, True):
+            for pers in (False, True):
+                configs.SM90_HOPPER_FWD[d] = dataclasses.replace(base[d], pingpong=pp, persistent=pers)
+                for (b, s, h) in shape_list:
+                    for causal in (False, True):
+                        try:
+                            t = round(_fwd_tflops(b, s, h, d, causal, "hopper"), 1)
+                        except Exception as e:
+                            t = f"{type(e).__name__}: {str(e)[:200]}"
+                        row = dict(d=d, shape=f"{b}x{s}x{h}", pingpong=pp, persistent=pers,
+                                   causal=causal, tflops=t)
+                        print(json.dumps(row), flush=True)
+                        results.append(row)
+        configs.SM90_HOPPER_FWD[d] = base[d]
+    for (b, s, h, d) in [(2, 8192, 32, 64), (16, 1024, 16, 128), (16, 1024, 8, 256)]:
+        for causal in (False, True):
+            row = dict(d=d, shape=f"{b}x{s}x{h}", impl="cudnn", causal=causal,
+                       tflops=round(_fwd_tflops(b, s, h, d, causal, "cudnn"), 1))
+            print(json.dumps(row), flush=True)
+            results.append(row)
     return results
 
 
@@ -143,6 +170,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["check", "speed", "tiles"])
     ap.add_argument("--out", default=".")
+    ap.add_argument("--config", default=os.environ.get("HOPPER_FWD_CONFIG", ""),
+                    help="overrides for every SM90_HOPPER_FWD entry, e.g. pingpong=1,persistent=1")
     ap.add_argument("--grads", action="store_true", help="check dq/dk/dv too (slow: compiles the bwd)")
     args = ap.parse_args()
     t0 = time.time()

@@ -1,4 +1,4 @@
-"""Hopper (Gluon) tier, no GPU needed: the smoke kernel ``triflash.kernels.hopper.smoke``
+"""Hopper (Gluon) tier, no GPU needed: the forward kernel (every dispatchable tile) and the smoke kernel ``triflash.kernels.hopper.smoke``
 (TMA loads of a Q and a K tile into NVMMA-swizzled shared memory on an mbarrier, one
 ``warpgroup_mma`` S = Q K^T) compiles for sm_90a, its PTX has wgmma and TMA instructions,
 and its shared memory fits the per-block opt-in limit of H100/H200.
@@ -37,3 +37,33 @@ def test_smoke_kernel_compiles_for_sm90a(case):
     el = 2
     tiles = (case["block_m"] + case["block_n"]) * case["headdim"] * el
     assert tiles <= r["shared"] <= R.MAX_SHARED_SM90, r
+
+
+# (feature, head dim) -> spill bytes allowed, with the reason. Plain and causal: none.
+HOPPER_FWD_SPILL_BUDGET = {
+    # sliding-window bounds + the softcap's tanh temporaries on top of the 240 registers the
+    # 128-key S tile and the O accumulator use; a few words spilled on the rare path only.
+    ("window-softcap", 128): 128,
+    ("window-softcap", 256): 128,
+}
+
+
+def test_hopper_forward_compiles_for_sm90a():
+    """Every tile of configs.SM90_HOPPER_FWD, fp16 and bf16, plain / causal / window+softcap:
+    compiles for sm_90a, shared memory within the opt-in limit, no spills (or the budget below), register hand-off
+    (setmaxnreg) from the loader warp to the consumers, wgmma and TMA in the PTX."""
+    problem = R.toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    try:
+        from triflash.kernels.hopper import compile_check
+    except ImportError as e:
+        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
+    from triflash.kernels import configs
+    rows = compile_check.run_subprocess()
+    assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_FWD)
+    for r in rows:
+        assert r["shared"] <= R.MAX_SHARED_SM90, r
+        assert r["spill_bytes"] <= HOPPER_FWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0), r
+        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"], r
+        assert r["num_warps"] == 12, r  # 2 consumer warpgroups + the loader's (padded) warpgroup

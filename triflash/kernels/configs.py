@@ -43,6 +43,8 @@ class HopperFwdConfig:
     block_n: int
     stages: int
     num_consumers: int = 2
+    pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
+    persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240)
     loader_regs: int = 24      # setmaxnreg for the loader warp (FA3: 24)
 

@@ -48,75 +48,135 @@ def _tma_view(buf, desc):
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_bar, k_ring, v_ring,
-                k_ready, v_ready, k_free, v_free,
-                batch, head, head_kv, row0, n_min, n_max,
-                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[1]
-    mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
-    for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [batch, row0 + c * BM, head, 0], q_bar,
-                                        _tma_view(q_bufs.index(c), q_desc))
-    for it in range(n_max - n_min):
-        n = n_max - 1 - it
-        stage = it % STAGES
-        phase = (it // STAGES) & 1
-        # A fresh barrier counts as having completed the phase before 0: the first pass
-        # through the ring does not wait.
-        mbarrier.wait(k_free.index(stage), phase ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, n * BLOCK_N, head_kv, 0],
-                                        k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
-        mbarrier.wait(v_free.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, n * BLOCK_N, head_kv, 0],
-                                        v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
+def _tile_coords(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                 window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Work tile -> (batch, head, head_kv, first row, key block range). Tiles of one head
+    are adjacent (its K/V stay in L2) and go longest first (the last query block under
+    causal)."""
+    bh = tile // num_m_blocks
+    m_block = num_m_blocks - 1 - (tile - bh * num_m_blocks)
+    batch = bh // nheads
+    head = bh - batch * nheads
+    head_kv = head // (nheads // nheads_kv)
+    n_min, n_full_min, n_full_max, n_max = n_block_range(
+        m_block, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    return batch, head, head_kv, m_block * BLOCK_M, n_min, n_full_min, n_full_max, n_max
 
 
 @gluon.jit
-def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, window_left, window_right,
-                    MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """One online-softmax step on log2-domain scores: (p, alpha, m_new, l_new)."""
+def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
+                k_ready, v_ready, k_free, v_free,
+                num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                window_left, window_right,
+                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    kv_base = 0
+    local = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _tile_coords(
+            tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right,
+            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        # The Q tiles double as the O staging of the previous tile: wait for its stores.
+        # A fresh barrier counts as having completed the phase before 0.
+        mbarrier.wait(q_free, (local & 1) ^ 1)
+        mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [batch, row0 + c * BM, head, 0], q_ready,
+                                            _tma_view(q_bufs.index(c), q_desc))
+        count = n_max - n_min
+        for it in range(count):
+            n = n_max - 1 - it
+            g = kv_base + it
+            stage = g % STAGES
+            phase = (g // STAGES) & 1
+            mbarrier.wait(k_free.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, n * BLOCK_N, head_kv, 0],
+                                            k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
+            mbarrier.wait(v_free.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, n * BLOCK_N, head_kv, 0],
+                                            v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
+        kv_base += count
+        local += 1
+
+
+@gluon.jit
+def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
+                    window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+    """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
+    m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
+    each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale)."""
+    if SOFTCAP:
+        s = scores(s, qk_scale, softcap_log2, SOFTCAP)  # already log2-scaled
     if MASK:
         s = gl.where(visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), len_q, len_k,
                              window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    if SOFTCAP:
         m_new = gl.maximum(m_i, gl.max(s, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = m_new
-    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    if SOFTCAP:
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _fwd_step(it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Pingpong: wait until the other consumer has issued its wgmmas (FA3's warp scheduler
+    barrier), so one warpgroup's softmax runs under the other's matrix multiplies."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(CID), turn & 1)
+
+
+@gluon.jit
+def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - CID))
+
+
+@gluon.jit
+def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns, turn,
               o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
               qk_scale, softcap_log2, window_left, window_right,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
-    """Key block number ``it`` (counted from the last): S_it = Q K_it^T overlapped with
-    O += P_{it-1} V_{it-1}; returns the state with P_it pending."""
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+              CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
+    slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
+    returns the state with P_it pending."""
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
     o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
-    stage = it % STAGES
-    prev = (it - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+    stage = g % STAGES
+    prev = (g - 1) % STAGES
+    _take_turn(turns, turn, CID, PINGPONG)
+    mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
+    _pass_turn(turns, CID, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_free.index(stage))
-    s = scores(s, qk_scale, softcap_log2, SOFTCAP)
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
-                                         window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT)
+                                         qk_scale, softcap_log2, window_left, window_right,
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -125,12 +185,13 @@ def _fwd_step(it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free
 
 
 @gluon.jit
-def _fwd_consumer(q_buf, q_bar, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns,
                   o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
-                  batch, head, row_start, len_q, len_k, n_min, n_full_min, n_full_max, n_max,
+                  num_tiles, num_m_blocks, nheads, nheads_kv, len_q, len_k,
                   qk_scale, softcap_log2, window_left, window_right,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  CID: gl.constexpr, PINGPONG: gl.constexpr):
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_buf.dtype.primitive_bitwidth
@@ -138,74 +199,95 @@ def _fwd_consumer(q_buf, q_bar, k_ring, v_ring, k_ready, v_ready, k_free, v_free
     o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    rows = row_start + gl.arange(0, BM, layout=row_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([BM], gl.float32, layout=row_layout)
-    o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
 
-    mbarrier.wait(q_bar, 0)
-    count = n_max - n_min
-    if count > 0:
-        # Prologue: the last key block, always through the mask (it may be the diagonal or
-        # the sequence tail; masking an unmasked block is merely a little slower).
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q_buf, k_ring.index(0).permute((1, 0)),
-                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False)
-        mbarrier.arrive(k_free.index(0))
-        s = scores(s, qk_scale, softcap_log2, SOFTCAP)
-        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1) * BLOCK_N + cols0,
-                                             len_q, len_k, window_left, window_right,
-                                             True, HAS_LEFT, HAS_RIGHT)
-        p_prev = gl.convert_layout(p.to(q_buf.dtype), p_layout)
-        # Steps 1.. : masked right edge, unmasked middle, masked left edge.
-        r1 = gl.maximum(n_max - n_full_max, 1)
-        r2 = gl.maximum(n_max - n_full_min, r1)
-        for it in range(1, r1):
-            o_acc, m_i, l_i, p_prev = _fwd_step(
-                it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                qk_scale, softcap_log2, window_left, window_right,
-                BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-        for it in range(r1, r2):
-            o_acc, m_i, l_i, p_prev = _fwd_step(
-                it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                qk_scale, softcap_log2, window_left, window_right,
-                BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-        for it in range(r2, count):
-            o_acc, m_i, l_i, p_prev = _fwd_step(
-                it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                qk_scale, softcap_log2, window_left, window_right,
-                BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-        # Epilogue: the PV of the first key block.
-        last = (count - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((count - 1) // STAGES) & 1)
-        o_acc = warpgroup_mma(p_prev, v_ring.index(last), o_acc)
-        mbarrier.arrive(v_free.index(last))
+    kv_base = 0
+    turn = 0
+    local = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _tile_coords(
+            tile, num_m_blocks, nheads, nheads_kv, len_q, len_k, window_left, window_right,
+            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        row_start = row0 + CID * BM
+        rows = row_start + gl.arange(0, BM, layout=row_layout)
+        m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([BM], gl.float32, layout=row_layout)
+        o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready, local & 1)
+        count = n_max - n_min
+        if count > 0:
+            # Prologue: the last key block, always through the mask (it may be the diagonal
+            # or the sequence tail; masking an unmasked block is merely a little slower).
+            stage = kv_base % STAGES
+            _take_turn(turns, turn, CID, PINGPONG)
+            mbarrier.wait(k_ready.index(stage), (kv_base // STAGES) & 1)
+            s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
+                                  gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                                  use_acc=False, is_async=True)
+            _pass_turn(turns, CID, PINGPONG)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            mbarrier.arrive(k_free.index(stage))
+            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1) * BLOCK_N + cols0,
+                                                 len_q, len_k, qk_scale, softcap_log2,
+                                                 window_left, window_right,
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+            p_prev = gl.convert_layout(p.to(q_buf.dtype), p_layout)
+            # Steps 1.. : masked right edge, unmasked middle, masked left edge.
+            r1 = gl.maximum(n_max - n_full_max, 1)
+            r2 = gl.maximum(n_max - n_full_min, r1)
+            for it in range(1, r1):
+                o_acc, m_i, l_i, p_prev = _fwd_step(
+                    kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                    turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                    qk_scale, softcap_log2, window_left, window_right,
+                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG)
+            for it in range(r1, r2):
+                o_acc, m_i, l_i, p_prev = _fwd_step(
+                    kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                    turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                    qk_scale, softcap_log2, window_left, window_right,
+                    BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG)
+            for it in range(r2, count):
+                o_acc, m_i, l_i, p_prev = _fwd_step(
+                    kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
+                    turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                    qk_scale, softcap_log2, window_left, window_right,
+                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG)
+            # Epilogue: the PV of the first key block.
+            g_last = kv_base + count - 1
+            last = g_last % STAGES
+            _take_turn(turns, turn + count, CID, PINGPONG)
+            mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
+            o_tok = warpgroup_mma(p_prev, v_ring.index(last), o_acc, is_async=True)
+            _pass_turn(turns, CID, PINGPONG)
+            o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            mbarrier.arrive(v_free.index(last))
+            turn += count + 1
+        kv_base += count
 
-    # A row that saw no key: output 0, lse = -inf (never NaN).
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
-             + rows.to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
-    # O goes out through this consumer's Q tile: every wgmma reading it has retired.
-    q_buf.store(out.to(q_buf.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0], _tma_view(q_buf, o_desc))
-    tma.store_wait(0)
+        # A row that saw no key: output 0, lse = -inf (never NaN).
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+        gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
+                 + rows.to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
+        # O goes out through this consumer's Q tile: every wgmma reading it has retired.
+        q_buf.store(out.to(q_buf.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0], _tma_view(q_buf, o_desc))
+        tma.store_wait(0)
+        mbarrier.arrive(q_free)
+        local += 1
 
 
 @gluon.jit
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
-                      nheads, nheads_kv, seqlen_q, seqlen_k,
+                      nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks,
                       qk_scale, softcap_log2, window_left, window_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                      PINGPONG: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -214,48 +296,46 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lseb, stride_l
     gl.static_assert(BM == 64, "one warpgroup owns 64 query rows")
     gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
 
-    # Longest (under causal) query blocks first.
-    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
-    head = gl.program_id(1)
-    batch = gl.program_id(2)
-    head_kv = head // (nheads // nheads_kv)
-    n_min, n_full_min, n_full_max, n_max = n_block_range(
-        m_block, seqlen_q, seqlen_k, window_left, window_right,
-        BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    row0 = m_block * (BM * NUM_CONSUMERS)
-
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BM, D], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_free, count=NUM_CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_free.index(i), count=NUM_CONSUMERS)
         mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    mbarrier.arrive(turns.index(0))  # consumer 0 issues first
 
     gl.warp_specialize(
-        [(_fwd_consumer, (q_bufs.index(0), q_bar, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                          o_desc, LSE, stride_lseb, stride_lseh, stride_lsem, batch, head, row0,
-                          seqlen_q, seqlen_k, n_min, n_full_min, n_full_max, n_max,
+        [(_fwd_consumer, (q_bufs.index(0), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          k_free, v_free, turns, o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
+                          num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP)),
-         (_fwd_consumer, (q_bufs.index(1), q_bar, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                          o_desc, LSE, stride_lseb, stride_lseh, stride_lsem, batch, head, row0 + BM,
-                          seqlen_q, seqlen_k, n_min, n_full_min, n_full_max, n_max,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0, PINGPONG)),
+         (_fwd_consumer, (q_bufs.index(1), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          k_free, v_free, turns, o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
+                          num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP)),
-         (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_bar, k_ring, v_ring,
-                        k_ready, v_ready, k_free, v_free, batch, head, head_kv, row0,
-                        n_min, n_max, NUM_CONSUMERS, BLOCK_N, STAGES))],
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1, PINGPONG)),
+         (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
+                        k_ready, v_ready, k_free, v_free,
+                        num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                        window_left, window_right,
+                        NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -286,22 +366,33 @@ def tma_compatible(*tensors) -> bool:
     return True
 
 
+_NUM_SMS = {}
+
+
+def _num_sms(device) -> int:
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
 def fwd(q, k, v, out, lse, params, cfg):
     """Dense (batch, seqlen, heads, dim) forward into ``out`` and ``lse`` (batch, heads, seqlen_q)."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     bm = ROWS_PER_CONSUMER
-    block_m = bm * cfg.num_consumers
+    num_m_blocks = triton.cdiv(seqlen_q, bm * cfg.num_consumers)
+    num_tiles = num_m_blocks * nheads * batch
+    # persistent: one CTA per SM walks tiles tile, tile + grid, ...; else one CTA per tile
+    grid = (min(num_tiles, _num_sms(q.device)) if cfg.persistent else num_tiles,)
     qk_scale, softcap_log2 = params.score_constants()
-    grid = (triton.cdiv(seqlen_q, block_m), nheads, batch)
     hopper_fwd_kernel[grid](
         descriptor(q, bm), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n),
         descriptor(out, bm), lse, lse.stride(0), lse.stride(1), lse.stride(2),
-        nheads, nheads_kv, seqlen_q, seqlen_k,
+        nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks,
         qk_scale, softcap_log2, params.window_left, params.window_right,
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_CONSUMERS=cfg.num_consumers,
         HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
-        SOFTCAP=params.softcap > 0.0,
+        SOFTCAP=params.softcap > 0.0, PINGPONG=cfg.pingpong,
         LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs,
         num_warps=4,
     )

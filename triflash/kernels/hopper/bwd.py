@@ -1,0 +1,525 @@
+"""Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups. DRAFT:
+compiled for sm_90a on the CPU, not yet run on a GPU, not dispatched.
+
+FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
+their wgmmas already in the accumulator orientation of dV += P^T dO and dK += dS^T Q and feed
+those wgmmas from registers. One CTA owns one key block of ``NUM_CONSUMERS * 64`` keys of one
+(batch, KV head):
+
+* **loader** (1 warp, few registers): TMA-loads each consumer's 64-row K_w and V_w tiles once
+  (one barrier), then streams the Q and dO tiles (64 query rows each) of every query block
+  that ``common.m_block_range`` says visits the key block, for every query head of the GQA
+  group, into ``STAGES``-deep rings. Each slot has ``q_ready`` / ``do_ready`` barriers (TMA
+  completes them with the byte count) and one ``free`` barrier that each consumer arrives on
+  once (count ``NUM_CONSUMERS``) when its wgmmas reading Q and dO of the slot have retired.
+* **consumers** (one warpgroup each, 64 keys each), per query block m of query head h:
+  S^T = K_w Q_m^T and dP^T = V_w dO_m^T (both async wgmmas, shared x shared);
+  P^T = exp2(S^T * scale_log2 - LSE_log2[q]) (masked on edge blocks);
+  dV_w += P^T dO_m (P^T from registers) issued while dP^T finishes;
+  dS^T = P^T (dP^T - Delta[q]) (times the softcap derivative 1 - tanh^2);
+  dK_w += dS^T Q_m (dS^T from registers); then, unless deterministic, dS^T goes to this
+  warpgroup's own shared tile and dQ_m(partial over its 64 keys) = dS K_w (A = the
+  transposed view of that tile) is added into an fp32 ``dq_accum`` with ``gl.atomic_add``
+  (one [64, D] atomic tile per warpgroup per query block).
+  LSE / Delta: plain loads (``SliceLayout(0, acc)``: queries are the N axis); rows past
+  len_q load lse = +inf (P = 0), rows that saw no key (lse = -inf) too, as in the portable
+  backward.
+* epilogue: dK_w * softmax_scale and dV_w go out through the consumer's own K_w / V_w tiles
+  (no longer read) with TMA stores, which clip rows past the sequence.
+
+The host function runs the portable ``bwd_preprocess_kernel`` (Delta = rowsum(dO * O)), this
+kernel, then dq = dq_accum * softmax_scale. ``deterministic=True`` runs this kernel without
+dQ (ATOMIC_DQ=False) plus the portable ``bwd_dq_kernel`` (no atomics).
+
+Math and masking are those of ``triflash/kernels/bwd.py`` (the portable backward).
+Covered: dense (batch, seqlen, heads, dim) inputs, head dim 64 / 128 (= headdim_v),
+fp16/bf16, causal, sliding window, softcap, GQA/MQA (the CTA loops over the group's query
+heads, so dK/dV are summed in registers: no reduction step, deterministic).
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from ..common import m_block_range, tanh, visible
+from .fwd import _acc_layout, _tma_view, descriptor, tma_compatible
+
+ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
+BLOCK_M = 64             # query rows per streamed Q / dO tile
+HEAD_DIMS = (64, 128)
+
+
+class HopperBwdConfig:
+    """Draft tile: 2 consumer warpgroups x 64 keys, Q/dO rings of ``stages`` x 64 rows."""
+
+    def __init__(self, stages=2, num_consumers=2, consumer_regs=240, loader_regs=24):
+        self.stages = stages
+        self.num_consumers = num_consumers
+        self.consumer_regs = consumer_regs
+        self.loader_regs = loader_regs
+
+    @property
+    def block_n(self):
+        return ROWS_PER_CONSUMER * self.num_consumers
+
+
+# Shared memory (bf16): K + V 2 x 2 x 64 x D, Q + dO rings 2 x stages x 64 x D, dS^T 2 x 64 x 64.
+# D=128: 64 + 64 (2 stages) + 16 KiB = 144 KiB; D=64: 32 + 32 + 16 = 80 KiB (3 stages: 96).
+HOPPER_BWD = {64: HopperBwdConfig(stages=3), 128: HopperBwdConfig(stages=2)}
+
+
+@gluon.jit
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
+                q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
+                batch, head_kv, group, key0, m_min, m_max,
+                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+    KR: gl.constexpr = k_desc.block_type.shape[1]
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [batch, key0 + c * KR, head_kv, 0], kv_bar,
+                                        _tma_view(k_bufs.index(c), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [batch, key0 + c * KR, head_kv, 0], kv_bar,
+                                        _tma_view(v_bufs.index(c), v_desc))
+    count = m_max - m_min
+    # Same order as the consumers: query heads of the group outer, query blocks ascending.
+    for it in range(group * count):
+        g = it // count
+        m = m_min + (it - g * count)
+        head = head_kv * group + g
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        # A fresh barrier counts as having completed the phase before 0: the first pass
+        # through the ring does not wait.
+        mbarrier.wait(free.index(stage), phase ^ 1)
+        # Q with its rows' LSE, dO with its rows' Delta: one barrier each.
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, m * BM, head, 0], q_ready.index(stage),
+                                        _tma_view(q_ring.index(stage), q_desc))
+        tma.async_copy_global_to_shared(lse_desc, [batch, head, m * BM], q_ready.index(stage),
+                                        _tma_view(lse_ring.index(stage), lse_desc))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [batch, m * BM, head, 0], do_ready.index(stage),
+                                        _tma_view(do_ring.index(stage), do_desc))
+        tma.async_copy_global_to_shared(delta_desc, [batch, head, m * BM], do_ready.index(stage),
+                                        _tma_view(delta_ring.index(stage), delta_desc))
+
+
+@gluon.jit
+def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready,
+              free, ds_buf, dk, dv, keys, qcols0, dq_rows0, dq_cols, dq_ptr, stride_dqm,
+              len_q, len_k, qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
+              STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+    """One query block (ring slot ``it``) for this warpgroup's 64 keys; returns (dk, dv)."""
+    KR: gl.constexpr = k_buf.shape[0]
+    D: gl.constexpr = k_buf.shape[1]
+    BM: gl.constexpr = q_ring.shape[1]
+    dtype: gl.constexpr = k_buf.dtype
+    KW: gl.constexpr = 32 // dtype.primitive_bitwidth
+    s_layout: gl.constexpr = _acc_layout(BM, dtype)
+    o_layout: gl.constexpr = _acc_layout(D, dtype)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    stage = it % STAGES
+    phase = (it // STAGES) & 1
+    q_buf = q_ring.index(stage)
+    do_buf = do_ring.index(stage)
+
+    # Per-query statistics come with the tiles (queries are the N axis of S^T). lse_log2 is
+    # +inf for rows past len_q and rows that saw no key, so their P is exactly 0. Without
+    # softcap it is folded into the accumulator's initial value,
+    #   S' = K Q^T - lse_log2 / qk_scale,   P = exp2(S' * qk_scale),
+    # and Delta likewise: dP' = V dO^T - Delta. No per-query vector stays in registers.
+    mbarrier.wait(q_ready.index(stage), phase)
+    if SOFTCAP:
+        s_init = gl.zeros([KR, BM], gl.float32, s_layout)
+    else:
+        s_init = gl.zeros([KR, BM], gl.float32, s_layout) + gl.expand_dims(
+            lse_ring.index(stage).load(col_layout) * neg_inv_scale, 0)
+    s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), s_init, use_acc=not SOFTCAP, is_async=True)
+    mbarrier.wait(do_ready.index(stage), phase)
+    dp_init = gl.zeros([KR, BM], gl.float32, s_layout) - gl.expand_dims(
+        delta_ring.index(stage).load(col_layout), 0)
+    dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), dp_init, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))
+    if SOFTCAP:
+        t = tanh(s * qk_scale)
+        p = gl.exp2(t * softcap_log2 - gl.expand_dims(lse_ring.index(stage).load(col_layout), 0))
+    else:
+        p = gl.exp2(s * qk_scale)
+    if MASK:
+        qrows = m * BM + qcols0
+        p = gl.where(visible(gl.expand_dims(qrows, 0), gl.expand_dims(keys, 1), len_q, len_k,
+                             window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+    # dV += P^T dO, P^T from registers; runs while dP^T finishes.
+    dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_buf, dv, is_async=True)
+    if SOFTCAP:
+        p = p * (1.0 - t * t)  # fold the softcap derivative in now: t dies before dP^T lands
+    dp = warpgroup_mma_wait(1, deps=(dp_tok,))
+    ds = (p * dp).to(dtype)  # dS^T = P^T (dP^T - Delta)
+    if ATOMIC_DQ:
+        # The previous block's dQ wgmma (synchronous) has retired: the tile is free.
+        ds_buf.store(ds)
+        fence_async_shared()
+    dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics were
+    # read into registers before the wgmmas were issued): one arrival per warpgroup.
+    mbarrier.arrive(free.index(stage))
+    if ATOMIC_DQ:
+        # dQ_m (this warpgroup's 64 keys) = dS K_w: A = transposed view of the dS^T tile.
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, gl.zeros([BM, D], gl.float32, o_layout),
+                           use_acc=False)
+        dq_rows = m * BM + dq_rows0
+        ptrs = (dq_ptr + gl.expand_dims(dq_rows.to(gl.int64) * stride_dqm, 1)
+                + gl.expand_dims(dq_cols, 0))
+        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(dq_rows < len_q, 1), sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
+                  q_ready, do_ready, free, ds_buf, dk_desc, dv_desc,
+                  DQ, stride_dqb, stride_dqm, stride_dqh,
+                  batch, head_kv, group, key_start, len_q, len_k,
+                  m_min, m_full_min, m_full_max, m_max,
+                  qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+    KR: gl.constexpr = k_buf.shape[0]
+    D: gl.constexpr = k_buf.shape[1]
+    DV: gl.constexpr = v_buf.shape[1]
+    BM: gl.constexpr = q_ring.shape[1]
+    dtype: gl.constexpr = k_buf.dtype
+    s_layout: gl.constexpr = _acc_layout(BM, dtype)
+    o_layout: gl.constexpr = _acc_layout(D, dtype)
+    ov_layout: gl.constexpr = _acc_layout(DV, dtype)
+
+    keys = key_start + gl.arange(0, KR, layout=gl.SliceLayout(1, s_layout))
+    qcols0 = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+    dq_rows0 = gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+    dq_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    dk = gl.zeros([KR, D], gl.float32, o_layout)
+    dv = gl.zeros([KR, DV], gl.float32, ov_layout)
+    neg_inv_scale = -1.0 / qk_scale
+
+    mbarrier.wait(kv_bar, 0)
+    count = m_max - m_min
+    for g in range(group):
+        head = head_kv * group + g
+        dq_ptr = DQ + batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
+        base = g * count - m_min  # ring slot counter of query block m is base + m
+        # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
+        # top edge (window left edge); a key block reaching past len_k is masked throughout.
+        for m in range(m_min, m_full_min):
+            dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
+                               q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
+                               dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
+                               softcap_log2, window_left, window_right,
+                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)
+        for m in range(m_full_min, m_full_max):
+            dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
+                               q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
+                               dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
+                               softcap_log2, window_left, window_right,
+                               STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)
+        for m in range(m_full_max, m_max):
+            dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
+                               q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
+                               dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
+                               softcap_log2, window_left, window_right,
+                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)
+
+    # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
+    # has retired; the other warpgroup never touches them); the TMA store clips rows past
+    # the sequence.
+    k_buf.store((dk * softmax_scale).to(dtype))
+    v_buf.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, key_start, head_kv, 0], _tma_view(k_buf, dk_desc))
+    tma.async_copy_shared_to_global(dv_desc, [batch, key_start, head_kv, 0], _tma_view(v_buf, dv_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+                      DQ, stride_dqb, stride_dqm, stride_dqh,
+                      nheads, nheads_kv, seqlen_q, seqlen_k,
+                      qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                      STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                      ATOMIC_DQ: gl.constexpr,
+                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    KR: gl.constexpr = k_desc.block_type.shape[1]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    DV: gl.constexpr = v_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(KR == 64, "one warpgroup owns 64 keys")
+    gl.static_assert(BM == 64, "query tiles of 64 rows")
+    gl.static_assert(lse_desc.block_type.shape[2] == BM, "LSE tiles match the query tiles")
+    gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
+    gl.static_assert(D == DV, "headdim == headdim_v")
+    BLOCK_N: gl.constexpr = KR * NUM_CONSUMERS
+
+    n_block = gl.program_id(0)
+    head_kv = gl.program_id(1)
+    batch = gl.program_id(2)
+    group = nheads // nheads_kv
+    m_min, m_full_min, m_full_max, m_max = m_block_range(
+        n_block, seqlen_q, seqlen_k, window_left, window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    key0 = n_block * BLOCK_N
+
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, D], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, DV], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+    do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DV], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, BM], dtype)
+    stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, D], k_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, DV], v_layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BM, DV], do_layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=NUM_CONSUMERS)
+
+    gl.warp_specialize(
+        [(_bwd_consumer, (k_bufs.index(0), v_bufs.index(0), kv_bar, q_ring, do_ring, lse_ring,
+                          delta_ring, q_ready, do_ready, free, ds_bufs.index(0), dk_desc, dv_desc,
+                          DQ, stride_dqb, stride_dqm, stride_dqh,
+                          batch, head_kv, group, key0, seqlen_q, seqlen_k,
+                          m_min, m_full_min, m_full_max, m_max,
+                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)),
+         (_bwd_consumer, (k_bufs.index(1), v_bufs.index(1), kv_bar, q_ring, do_ring, lse_ring,
+                          delta_ring, q_ready, do_ready, free, ds_bufs.index(1), dk_desc, dv_desc,
+                          DQ, stride_dqb, stride_dqm, stride_dqh,
+                          batch, head_kv, group, key0 + KR, seqlen_q, seqlen_k,
+                          m_min, m_full_min, m_full_max, m_max,
+                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)),
+         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
+                        kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
+                        batch, head_kv, group, key0, m_min, m_max, NUM_CONSUMERS, STAGES))],
+        [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+@triton.jit
+def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
+                     stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
+                     stride_lseb, stride_lseh, stride_lsem,
+                     stride_sb, stride_sh, nheads, seqlen_q,
+                     HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per query row, into buffers padded to a multiple of the query tile (TMA tiles never
+    leave them): Delta = rowsum(dO * O) (0 past len_q) and lse in log2 units, +inf past len_q
+    and for rows that saw no key (lse = -inf), so that P = exp2(S - lse) is 0 there."""
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // nheads
+    head = bh % nheads
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEADDIM_V)
+    row_ok = offs_m < seqlen_q
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+                + rows * stride_om + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                 + rows * stride_dom + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    lse = tl.load(LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+                  + offs_m.to(tl.int64) * stride_lsem, mask=row_ok, other=float("-inf"))
+    stat = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    out_off = batch.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh + offs_m
+    tl.store(STAT + out_off, stat)
+    tl.store(DELTA + out_off, delta)
+
+
+# ---- host side --------------------------------------------------------------------------
+
+def supports(dout, q, k, v, out) -> str:
+    """'' when this backward serves the (dense) case, else why not."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv or d not in HEAD_DIMS:
+        return f"head dims ({d}, {dv}) (needs equal, one of {HEAD_DIMS})"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype}"
+    if not tma_compatible(q, k, v):
+        return "strides or base pointers not 16-byte aligned (TMA)"
+    return ""
+
+
+def stat_descriptor(x):
+    """Rank-3 TMA descriptor over a padded (batch, heads, seqlen_pad) fp32 buffer, box (1, 1, 64)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    block = [1, 1, BLOCK_M]
+    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+
+
+def _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq):
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    qk_scale, softcap_log2 = params.score_constants()
+    kr = ROWS_PER_CONSUMER
+    return [descriptor(q, BLOCK_M), descriptor(k, kr), descriptor(v, kr), descriptor(dout, BLOCK_M),
+            descriptor(dk, kr), descriptor(dv, kr), stat_descriptor(stat), stat_descriptor(delta),
+            dq_accum, dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
+            nheads, nheads_kv, seqlen_q, seqlen_k,
+            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
+            cfg.stages, cfg.num_consumers,
+            params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
+            cfg.loader_regs, cfg.consumer_regs]
+
+
+def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
+    """(dq, dk, dv) for dense (batch, seqlen, heads, dim) q/k/v/out/dout and lse (batch,
+    heads, seqlen_q) fp32 natural log, as the forward returns it.
+
+    deterministic=False: dQ with fp32 atomics inside the kernel, then dq = dq_accum * scale.
+    deterministic=True: the kernel without dQ, then the portable ``bwd_dq_kernel``."""
+    from .. import configs
+    from ..bwd import bwd_dq_kernel
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    why_not = supports(dout, q, k, v, out)
+    if why_not:
+        raise NotImplementedError(f"triflash hopper bwd: {why_not}")
+    if nheads % nheads_kv:
+        raise ValueError("nheads must be a multiple of nheads_kv")
+    cfg = cfg or HOPPER_BWD[d]
+    if not tma_compatible(dout):
+        dout = dout.contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: TMA stores
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    # lse_log2 / Delta padded to whole query tiles (TMA boxes stay inside; the pad is +inf / 0)
+    seqlen_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    stat = torch.empty((batch, nheads, seqlen_pad), dtype=torch.float32, device=q.device)
+    delta = torch.empty((batch, nheads, seqlen_pad), dtype=torch.float32, device=q.device)
+    bwd_stats_kernel[(seqlen_pad // BLOCK_M, batch * nheads)](
+        out, dout, lse, stat, delta, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        stat.stride(0), stat.stride(1), nheads, seqlen_q,
+        HEADDIM_V=v.shape[-1], BLOCK_M=BLOCK_M,
+    )
+
+    atomic_dq = not deterministic
+    grid = (triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
+    if atomic_dq:
+        dq_accum = torch.zeros((batch, seqlen_q, nheads, d), dtype=torch.float32, device=q.device)
+        hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum,
+                                              params, cfg, True), num_warps=4)
+        dq.copy_(dq_accum.mul_(params.softmax_scale))
+    else:
+        dummy = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)  # never touched
+        hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dummy,
+                                              params, cfg, False), num_warps=4)
+        # the portable dQ kernel reads LSE and Delta with one set of strides
+        lse_c = lse.contiguous()
+        delta_c = delta[:, :, :seqlen_q].contiguous()
+        tile = configs.SM90_BWD[d]
+        qk_scale, softcap_log2 = params.score_constants()
+        bwd_dq_kernel[(triton.cdiv(seqlen_q, tile.dq_block_m), batch * nheads)](
+            q, k, v, dout, lse_c, delta_c, dq,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            *lse_c.stride(), dq.stride(0), dq.stride(1), dq.stride(2),
+            q, q, q, q, nheads, nheads_kv, seqlen_q, seqlen_k, seqlen_q, seqlen_k,
+            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
+            HEADDIM=d, HEADDIM_V=d, BLOCK_M=tile.dq_block_m, BLOCK_N=tile.dq_block_n,
+            BLOCK_D=d, BLOCK_DV=d, IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False,
+            HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+            SOFTCAP=params.softcap > 0.0, UPCAST=False,
+            num_warps=tile.dq_warps, num_stages=tile.dq_stages,
+        )
+    return dq, dk, dv
+
+
+# ---- CPU compile check (sm_90a) ---------------------------------------------------------
+
+def compile_bwd(headdim: int, dtype: str, feature: str, deterministic: bool = False,
+                cfg=None, keep_asm: bool = False) -> dict:
+    """Compile ``hopper_bwd_kernel`` for sm_90a without a GPU, as a launch would specialize it;
+    report shared memory, ptxas spills/registers and the instructions that must be present."""
+    import os
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .. import sm90_report
+    from ..portable import AttnParams
+    from .compile_check import FEATURES
+    from .smoke import _specialize
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("Gluon has no interpreter: unset TRITON_INTERPRET")
+    cfg = cfg or HOPPER_BWD[headdim]
+    causal, left, softcap = FEATURES[feature]
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    b, s, h, hk = 2, 1000, 4, 2  # shapes only specialize strides; any will do
+    q, dout = torch.empty(b, s, h, headdim, dtype=tdt), torch.empty(b, s, h, headdim, dtype=tdt)
+    k, v = torch.empty(b, s, hk, headdim, dtype=tdt), torch.empty(b, s, hk, headdim, dtype=tdt)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    pad = triton.cdiv(s, BLOCK_M) * BLOCK_M
+    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
+    dq_accum = torch.empty(b, s, h, headdim)
+    p = AttnParams(headdim ** -0.5, left, 0 if causal else -1, softcap, s, s)
+    args = _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, p, cfg, not deterministic)
+    signature, constexprs, attrs = _specialize(hopper_bwd_kernel, args)
+    compiled = triton.compile(GluonASTSource(hopper_bwd_kernel, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    log = sm90_report._run_ptxas(ptx, compiled.metadata)
+    info = sm90_report.parse_ptxas_log(log)
+    res = dict(kernel="hopper_bwd", headdim=headdim, dtype=dtype, feature=feature,
+               deterministic=deterministic, stages=cfg.stages, shared=compiled.metadata.shared,
+               shared_ok=compiled.metadata.shared <= 232448, num_warps=compiled.metadata.num_warps,
+               registers=info.get("registers"),
+               spill_bytes=info["spill_stores"] + info["spill_loads"],
+               setmaxnreg="setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx,
+               wgmma=ptx.count("wgmma.mma_async"), has_tma="cp.async.bulk.tensor" in ptx,
+               atomics=ptx.count("red.global") + ptx.count("atom.global"))
+    if keep_asm:
+        res["ptx"] = ptx
+        res["ptxas_log"] = log
+        res["ttgir"] = compiled.asm.get("ttgir")
+    return res
+
+
+def main(argv=None):
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description="sm_90a compile check of the Hopper backward")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    from .compile_check import FEATURES
+    rows = []
+    for d in HEAD_DIMS:
+        for dt in ("bf16", "fp16"):
+            for f in FEATURES:
+                for det in (False, True):
+                    r = compile_bwd(d, dt, f, det)
+                    rows.append(r)
+                    if not a.json:
+                        print(" ".join(f"{key}={val}" for key, val in r.items()), flush=True)
+    if a.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
