@@ -88,10 +88,17 @@ SM90_BWD = {
 # K and V rings stages x block_n x D each; all fit under 232448 B and compile without spills
 # (tests/test_hopper_compile.py). 256 uses 64-key blocks: S (64 x 128 fp32) next to the
 # 64 x 256 O accumulator would not fit in 240 registers.
+# Measured on the H200 (bf16, TFLOPS non-causal / causal; benchmarks/results/probes/):
+#   tiles (hopper-fwd-tiles-509b418.json): 64: 128 keys x 2-3 stages 404/387 > 64 x 4 370/355;
+#     128: 128 x 2 595/551 > 64 x 3-4 544/502; 256: 64 x 2 681/631 > 32 x 4 509/492
+#     (64 x 3 does not fit in shared memory).
+#   schedules (hopper-fwd-schedules-*.json, 8k tokens): pingpong helps at 128 (616/569 vs
+#     601/563) and 256 causal (657 vs 650), not at 64; the persistent loop did not pay at 8k
+#     and was erratic at 1k, so it stays off.
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3),
-    128: HopperFwdConfig(block_n=128, stages=2),
-    256: HopperFwdConfig(block_n=64, stages=2),
+    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True),
+    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

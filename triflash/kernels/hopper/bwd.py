@@ -44,7 +44,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import m_block_range, tanh, visible
+from ..common import m_block_range, tanh
 from .fwd import _acc_layout, _tma_view, descriptor, tma_compatible
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
@@ -55,8 +55,9 @@ HEAD_DIMS = (64, 128)
 class HopperBwdConfig:
     """Draft tile: 2 consumer warpgroups x 64 keys, Q/dO rings of ``stages`` x 64 rows."""
 
-    def __init__(self, stages=2, num_consumers=2, consumer_regs=240, loader_regs=24):
+    def __init__(self, stages=2, dq_split=1, num_consumers=2, consumer_regs=240, loader_regs=24):
         self.stages = stages
+        self.dq_split = dq_split  # dQ wgmma + atomics in this many column slices of K_w
         self.num_consumers = num_consumers
         self.consumer_regs = consumer_regs
         self.loader_regs = loader_regs
@@ -68,7 +69,7 @@ class HopperBwdConfig:
 
 # Shared memory (bf16): K + V 2 x 2 x 64 x D, Q + dO rings 2 x stages x 64 x D, dS^T 2 x 64 x 64.
 # D=128: 64 + 64 (2 stages) + 16 KiB = 144 KiB; D=64: 32 + 32 + 16 = 80 KiB (3 stages: 96).
-HOPPER_BWD = {64: HopperBwdConfig(stages=3), 128: HopperBwdConfig(stages=2)}
+HOPPER_BWD = {64: HopperBwdConfig(stages=3), 128: HopperBwdConfig(stages=2, dq_split=2)}
 
 
 @gluon.jit
@@ -113,7 +114,8 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               free, ds_buf, dk, dv, keys, qcols0, dq_rows0, dq_cols, dq_ptr, stride_dqm,
               len_q, len_k, qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
               STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+              HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+              DQ_SPLIT: gl.constexpr):
     """One query block (ring slot ``it``) for this warpgroup's 64 keys; returns (dk, dv)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
@@ -130,36 +132,48 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     q_buf = q_ring.index(stage)
     do_buf = do_ring.index(stage)
 
-    # Per-query statistics come with the tiles (queries are the N axis of S^T). lse_log2 is
-    # +inf for rows past len_q and rows that saw no key, so their P is exactly 0. Without
-    # softcap it is folded into the accumulator's initial value,
-    #   S' = K Q^T - lse_log2 / qk_scale,   P = exp2(S' * qk_scale),
-    # and Delta likewise: dP' = V dO^T - Delta. No per-query vector stays in registers.
+    # Per-query statistics come with the tiles (queries are the N axis of S^T): lse_log2 is
+    # +inf for rows past len_q and rows that saw no key, so their P is exactly 0; Delta is
+    # folded into dP's initial accumulator (dP' = V dO^T - Delta). ptxas serializes a wgmma
+    # whose initial accumulator is written while another wgmma is in flight (C7517), so the
+    # one with an initial value goes first: dP, then S (zero-initialized), one wait for both.
+    # With softcap (tanh keeps one more 64x64 tile alive) dP is issued after P instead, so
+    # its accumulator is not reserved while P is formed.
+    if not SOFTCAP:
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
+                               - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
+                               is_async=True)
     mbarrier.wait(q_ready.index(stage), phase)
-    if SOFTCAP:
-        s_init = gl.zeros([KR, BM], gl.float32, s_layout)
-    else:
-        s_init = gl.zeros([KR, BM], gl.float32, s_layout) + gl.expand_dims(
-            lse_ring.index(stage).load(col_layout) * neg_inv_scale, 0)
-    s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), s_init, use_acc=not SOFTCAP, is_async=True)
-    mbarrier.wait(do_ready.index(stage), phase)
-    dp_init = gl.zeros([KR, BM], gl.float32, s_layout) - gl.expand_dims(
-        delta_ring.index(stage).load(col_layout), 0)
-    dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), dp_init, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s_tok,))
+    s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
     if SOFTCAP:
         t = tanh(s * qk_scale)
-        p = gl.exp2(t * softcap_log2 - gl.expand_dims(lse_ring.index(stage).load(col_layout), 0))
+        p = gl.exp2(t * softcap_log2 - lse)
     else:
-        p = gl.exp2(s * qk_scale)
+        p = gl.exp2(s * qk_scale - lse)
     if MASK:
-        qrows = m * BM + qcols0
-        p = gl.where(visible(gl.expand_dims(qrows, 0), gl.expand_dims(keys, 1), len_q, len_k,
-                             window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
-    # dV += P^T dO, P^T from registers; runs while dP^T finishes.
-    dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_buf, dv, is_async=True)
+        # common.visible on (key - query) differences, compared with scalars: the per-element
+        # thresholds (query + shift + right ...) would otherwise be hoisted out of the loop.
+        # (m >> 31 is 0 but opaque to LLVM, see the dQ addresses below.)
+        diff = gl.expand_dims(keys - (m + (m >> 31)) * BM, 1) - gl.expand_dims(qcols0, 0)
+        ok = gl.expand_dims(keys < len_k, 1)
+        if HAS_RIGHT:
+            ok = ok & (diff <= len_k - len_q + window_right)
+        if HAS_LEFT:
+            ok = ok & (diff >= len_k - len_q - window_left)
+        p = gl.where(ok, p, 0.0)
+    p_op = gl.convert_layout(p.to(dtype), op_layout)
     if SOFTCAP:
-        p = p * (1.0 - t * t)  # fold the softcap derivative in now: t dies before dP^T lands
+        p = p * (1.0 - t * t)  # the softcap derivative, folded in before t dies
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
+                               - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
+                               is_async=True)
+    # dV += P^T dO, P^T from registers
+    dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
     ds = (p * dp).to(dtype)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
@@ -173,12 +187,22 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     mbarrier.arrive(free.index(stage))
     if ATOMIC_DQ:
         # dQ_m (this warpgroup's 64 keys) = dS K_w: A = transposed view of the dS^T tile.
-        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, gl.zeros([BM, D], gl.float32, o_layout),
-                           use_acc=False)
-        dq_rows = m * BM + dq_rows0
-        ptrs = (dq_ptr + gl.expand_dims(dq_rows.to(gl.int64) * stride_dqm, 1)
-                + gl.expand_dims(dq_cols, 0))
-        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(dq_rows < len_q, 1), sem="relaxed")
+        # In DQ_SPLIT column slices of K_w, so that only a [64, D / DQ_SPLIT] fp32
+        # accumulator sits next to dK and dV.
+        DQN: gl.constexpr = D // DQ_SPLIT
+        dq_layout: gl.constexpr = _acc_layout(DQN, dtype)
+        # (m >> 31) is 0 but opaque to LLVM's induction-variable analysis: without it the
+        # per-element addresses become loop-invariant pointers / induction variables hoisted
+        # out of the query-block loop (2 registers each, spilled).
+        m_opq = m + (m >> 31)
+        dq_rows = m_opq * BM + dq_rows0
+        row_ptrs = dq_ptr + gl.expand_dims(dq_rows.to(gl.int64) * stride_dqm, 1)
+        row_ok = gl.expand_dims(dq_rows < len_q, 1)
+        for j in gl.static_range(DQ_SPLIT):
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf.slice(j * DQN, DQN, dim=1),
+                               gl.zeros([BM, DQN], gl.float32, dq_layout), use_acc=False)
+            gl.atomic_add(row_ptrs + gl.expand_dims(j * DQN + dq_cols, 0), dq, mask=row_ok,
+                          sem="relaxed")
     return dk, dv
 
 
@@ -190,7 +214,7 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   m_min, m_full_min, m_full_max, m_max,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr):
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     DV: gl.constexpr = v_buf.shape[1]
@@ -202,8 +226,9 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
 
     keys = key_start + gl.arange(0, KR, layout=gl.SliceLayout(1, s_layout))
     qcols0 = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-    dq_rows0 = gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
-    dq_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    dq_layout: gl.constexpr = _acc_layout(D // DQ_SPLIT, dtype)
+    dq_rows0 = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, D // DQ_SPLIT, layout=gl.SliceLayout(0, dq_layout))
     dk = gl.zeros([KR, D], gl.float32, o_layout)
     dv = gl.zeros([KR, DV], gl.float32, ov_layout)
     neg_inv_scale = -1.0 / qk_scale
@@ -221,19 +246,19 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
                                dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
                                softcap_log2, window_left, window_right,
-                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)
+                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
         for m in range(m_full_min, m_full_max):
             dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
                                q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
                                dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
                                softcap_log2, window_left, window_right,
-                               STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)
+                               STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
         for m in range(m_full_max, m_max):
             dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
                                q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
                                dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
                                softcap_log2, window_left, window_right,
-                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)
+                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
 
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
     # has retired; the other warpgroup never touches them); the TMA store clips rows past
@@ -253,7 +278,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                       STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ATOMIC_DQ: gl.constexpr,
+                      ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
@@ -305,14 +330,14 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           batch, head_kv, group, key0, seqlen_q, seqlen_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)),
          (_bwd_consumer, (k_bufs.index(1), v_bufs.index(1), kv_bar, q_ring, do_ring, lse_ring,
                           delta_ring, q_ready, do_ready, free, ds_bufs.index(1), dk_desc, dv_desc,
                           DQ, stride_dqb, stride_dqm, stride_dqh,
                           batch, head_kv, group, key0 + KR, seqlen_q, seqlen_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         batch, head_kv, group, key0, m_min, m_max, NUM_CONSUMERS, STAGES))],
@@ -382,7 +407,7 @@ def _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atom
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            cfg.loader_regs, cfg.consumer_regs]
+            cfg.dq_split, cfg.loader_regs, cfg.consumer_regs]
 
 
 def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):

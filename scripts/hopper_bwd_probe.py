@@ -1,0 +1,169 @@
+"""H200 probe of the draft Hopper (Gluon) backward, triflash/kernels/hopper/bwd.py: gradients
+against the fp32 reference, then backward speed beside the portable backward and SDPA-cuDNN.
+
+    python scripts/hopper_bwd_probe.py check|speed [--out DIR] [--deterministic]
+
+Run each part in its own process under `timeout` (a deadlocked kernel must not eat the
+device call), e.g. `timeout 900 python scripts/hopper_bwd_probe.py check --out /tmp/p`.
+Results: DIR/bwd-probe-<part>.json and one line per case on stdout (every case runs, a
+failure is printed and the next case goes on). out / lse come from the regular forward
+(`triflash.flash_attn_func(..., return_attn_probs=True)`); dq/dk/dv from
+`hopper.bwd.bwd(...)` called directly (it is not dispatched).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triflash  # noqa: E402
+from triflash import testing  # noqa: E402
+from triflash.kernels.portable import AttnParams  # noqa: E402
+
+CHECK_CASES = [
+    # b, sq, sk, h, hk, causal, window, softcap
+    (2, 1, 1, 4, 4, False, (-1, -1), 0.0),
+    (2, 113, 203, 4, 2, False, (-1, -1), 0.0),
+    (2, 113, 203, 4, 2, True, (-1, -1), 0.0),
+    (1, 239, 1, 2, 1, True, (-1, -1), 0.0),
+    (1, 1, 239, 2, 1, True, (-1, -1), 0.0),
+    (2, 799, 3, 2, 2, True, (-1, -1), 0.0),
+    (2, 3, 799, 2, 2, False, (-1, -1), 0.0),
+    (1, 1024, 1024, 4, 1, True, (-1, -1), 0.0),
+    (2, 1000, 1300, 4, 4, False, (100, 30), 0.0),
+    (2, 1000, 700, 4, 2, True, (64, -1), 0.0),
+    (2, 777, 777, 4, 4, True, (-1, -1), 15.0),
+    (2, 300, 500, 6, 2, False, (-1, -1), 30.0),
+    (1, 2048, 2048, 8, 8, False, (-1, -1), 0.0),
+    (1, 2048, 2048, 8, 2, True, (-1, -1), 0.0),
+]
+
+
+def _params(q, k, causal, window, softcap):
+    left, right = window
+    if causal:
+        right = 0
+    return AttnParams(q.shape[-1] ** -0.5, left, right, softcap, q.shape[1], k.shape[1])
+
+
+def check(args):
+    from triflash.kernels.hopper import bwd as hbwd
+    torch.manual_seed(0)
+    results = []
+    for d in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            for (b, sq, sk, h, hk, causal, window, softcap) in CHECK_CASES:
+                name = (f"d{d} {str(dtype)[6:]} b{b} sq{sq} sk{sk} h{h}/{hk} causal={causal} "
+                        f"win={window} cap={softcap} det={args.deterministic}")
+                row = dict(case=name)
+                try:
+                    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+                    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+                    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+                    kw = dict(causal=causal, window_size=window, softcap=softcap)
+                    with torch.no_grad():
+                        out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+                    dout = torch.randn_like(out)
+                    dq, dk, dv = hbwd.bwd(dout, q.detach(), k.detach(), v.detach(), out, lse,
+                                          _params(q, k, causal, window, softcap),
+                                          deterministic=args.deterministic)
+                    torch.cuda.synchronize()
+                    out_ref, _ = testing.attention_ref(q, k, v, upcast=True, **kw)
+                    out_lowp, _ = testing.attention_ref(q, k, v, upcast=False, **kw)
+                    g_ref = torch.autograd.grad(out_ref, (q, k, v), dout)
+                    g_lowp = torch.autograd.grad(out_lowp, (q, k, v), dout)
+                    rtol = 2.0 if softcap == 0.0 else 3.0
+                    problems = []
+                    for gname, g, gr, gl in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, g_lowp):
+                        err = testing.max_err(g, gr)
+                        tol = testing.fa_tolerance(gr, gl, rtol) + (0.0 if softcap == 0.0 else 3e-4)
+                        row[gname] = dict(err=err, tol=tol)
+                        if g.isnan().any():
+                            problems.append(f"{gname} has NaN")
+                        elif not err <= tol:
+                            problems.append(f"{gname}: max error {err:.3g} > tolerance {tol:.3g}")
+                    status = "ok" if not problems else "FAIL " + "; ".join(problems)
+                except Exception as e:  # report every case, keep going
+                    status = f"FAIL {type(e).__name__}: {str(e)[:300]}"
+                    row["traceback"] = traceback.format_exc()[-2000:]
+                row["status"] = status
+                print(f"{status[:4]:4} {name} {status if status != 'ok' else ''}", flush=True)
+                results.append(row)
+    n_ok = sum(r["status"] == "ok" for r in results)
+    print(f"{n_ok}/{len(results)} ok", flush=True)
+    return results
+
+
+def _bench(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+SPEED_CASES = [(2, 8192, 16, 128), (2, 8192, 32, 64)]
+
+
+def _bwd_ms(b, s, h, d, causal, impl, deterministic):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    if impl == "cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            dout = torch.randn_like(out)
+            return _bench(lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True))
+    if impl == "portable":
+        with triflash.force_backend("portable"):
+            out = triflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+            dout = torch.randn_like(out)
+            return _bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    from triflash.kernels.hopper import bwd as hbwd
+    with torch.no_grad():
+        out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    p = _params(q, k, causal, (-1, -1), 0.0)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    return _bench(lambda: hbwd.bwd(dout, qd, kd, vd, out, lse, p, deterministic=deterministic))
+
+
+def speed(args):
+    results = []
+    for (b, s, h, d) in SPEED_CASES:
+        for causal in (False, True):
+            row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal, deterministic=args.deterministic)
+            flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            for impl in ("hopper", "portable", "cudnn"):
+                try:
+                    ms = _bwd_ms(b, s, h, d, causal, impl, args.deterministic)
+                    row[impl] = round(flops / ms / 1e9, 1)
+                    row[impl + "_ms"] = round(ms, 3)
+                except Exception as e:
+                    row[impl] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["check", "speed"])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="kernel without dQ + the portable dQ kernel (no atomics)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    res = globals()[args.part](args)
+    suffix = "-det" if args.deterministic else ""
+    with open(os.path.join(args.out, f"bwd-probe-{args.part}{suffix}.json"), "w") as f:
+        json.dump(dict(part=args.part, gpu=torch.cuda.get_device_name(), seconds=time.time() - t0,
+                       deterministic=args.deterministic, results=res), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
