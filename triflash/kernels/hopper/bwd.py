@@ -9,25 +9,25 @@ those wgmmas from registers. One CTA owns one key block of ``NUM_CONSUMERS * 64`
 * **loader** (1 warp, few registers): TMA-loads each consumer's 64-row K_w and V_w tiles once
   (one barrier), then streams the Q and dO tiles (64 query rows each) of every query block
   that ``common.m_block_range`` says visits the key block, for every query head of the GQA
-  group, into ``STAGES``-deep rings. Each slot has ``q_ready`` / ``do_ready`` barriers (TMA
-  completes them with the byte count) and one ``free`` barrier that each consumer arrives on
-  once (count ``NUM_CONSUMERS``) when its wgmmas reading Q and dO of the slot have retired.
+  group, into ``STAGES``-deep rings, together with the 64 matching lse_log2 / Delta values
+  (rank-3 TMA boxes of padded fp32 buffers). Each slot has ``q_ready`` (Q + lse) and
+  ``do_ready`` (dO + Delta) barriers that TMA completes with the byte count, and one ``free``
+  barrier that each consumer arrives on once (count ``NUM_CONSUMERS``) when its wgmmas
+  reading the slot have retired.
 * **consumers** (one warpgroup each, 64 keys each), per query block m of query head h:
-  S^T = K_w Q_m^T and dP^T = V_w dO_m^T (both async wgmmas, shared x shared);
-  P^T = exp2(S^T * scale_log2 - LSE_log2[q]) (masked on edge blocks);
-  dV_w += P^T dO_m (P^T from registers) issued while dP^T finishes;
-  dS^T = P^T (dP^T - Delta[q]) (times the softcap derivative 1 - tanh^2);
+  dP'^T = V_w dO_m^T - Delta (Delta as the initial accumulator) and S^T = K_w Q_m^T (async
+  wgmmas, shared x shared; with softcap dP is issued after P instead, see ``_bwd_step``);
+  P^T = exp2(S^T * scale_log2 - lse_log2[q]) (masked on edge blocks);
+  dV_w += P^T dO_m (P^T from registers); dS^T = P^T dP'^T (times 1 - tanh^2 with softcap);
   dK_w += dS^T Q_m (dS^T from registers); then, unless deterministic, dS^T goes to this
-  warpgroup's own shared tile and dQ_m(partial over its 64 keys) = dS K_w (A = the
-  transposed view of that tile) is added into an fp32 ``dq_accum`` with ``gl.atomic_add``
-  (one [64, D] atomic tile per warpgroup per query block).
-  LSE / Delta: plain loads (``SliceLayout(0, acc)``: queries are the N axis); rows past
-  len_q load lse = +inf (P = 0), rows that saw no key (lse = -inf) too, as in the portable
-  backward.
+  warpgroup's own shared tile and dQ_m (partial over its 64 keys) = dS K_w (A = the
+  transposed view of that tile; at D=128 in two 64-column slices of K_w to save registers)
+  is added into an fp32 ``dq_accum`` with ``gl.atomic_add`` (red.global.add.v2.f32).
 * epilogue: dK_w * softmax_scale and dV_w go out through the consumer's own K_w / V_w tiles
   (no longer read) with TMA stores, which clip rows past the sequence.
 
-The host function runs the portable ``bwd_preprocess_kernel`` (Delta = rowsum(dO * O)), this
+The host function runs ``bwd_stats_kernel`` (Delta = rowsum(dO * O) and lse in log2 units with
++inf for rows past len_q / rows that saw no key, both padded to whole 64-row tiles), this
 kernel, then dq = dq_accum * softmax_scale. ``deterministic=True`` runs this kernel without
 dQ (ATOMIC_DQ=False) plus the portable ``bwd_dq_kernel`` (no atomics).
 
@@ -67,8 +67,9 @@ class HopperBwdConfig:
         return ROWS_PER_CONSUMER * self.num_consumers
 
 
-# Shared memory (bf16): K + V 2 x 2 x 64 x D, Q + dO rings 2 x stages x 64 x D, dS^T 2 x 64 x 64.
-# D=128: 64 + 64 (2 stages) + 16 KiB = 144 KiB; D=64: 32 + 32 + 16 = 80 KiB (3 stages: 96).
+# Shared memory (bf16): K + V 2 x 2 x 64 x D, Q + dO rings 2 x stages x 64 x D, dS^T 2 x 64 x 64
+# (only with atomic dQ), lse/Delta rings, barriers and the warp_specialize capture area.
+# Compiled: D=128 2 stages 148912 B (132480 deterministic); D=64 3 stages 100320 B (83888).
 HOPPER_BWD = {64: HopperBwdConfig(stages=3), 128: HopperBwdConfig(stages=2, dq_split=2)}
 
 
