@@ -86,7 +86,7 @@ def test_windows(window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 96, 256])
 def test_deterministic_matches_and_reproduces(dtype, d):
     sq, sk = (128, 217) if not ON_GPU else (2048, 2048)
     g1 = check_attention(BATCH, sq, sk, 4, 2, d, dtype, True, (-1, -1), 0.0, deterministic=True)
