@@ -242,24 +242,14 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
         base = g * count - m_min  # ring slot counter of query block m is base + m
         # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
         # top edge (window left edge); a key block reaching past len_k is masked throughout.
-        for m in range(m_min, m_full_min):
-            dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
-                               q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
-                               dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
-                               softcap_log2, window_left, window_right,
-                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
-        for m in range(m_full_min, m_full_max):
-            dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
-                               q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
-                               dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
-                               softcap_log2, window_left, window_right,
-                               STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
-        for m in range(m_full_max, m_max):
-            dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
-                               q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
-                               dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
-                               softcap_log2, window_left, window_right,
-                               STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
+        bounds = (m_min, m_full_min, m_full_max, m_max)
+        for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
+            for m in range(bounds[seg], bounds[seg + 1]):
+                dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
+                                   q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
+                                   dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
+                                   softcap_log2, window_left, window_right,
+                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
 
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
     # has retired; the other warpgroup never touches them); the TMA store clips rows past

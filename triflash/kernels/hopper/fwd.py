@@ -232,27 +232,18 @@ def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_fr
                                                  window_left, window_right,
                                                  True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
             p_prev = gl.convert_layout(p.to(q_buf.dtype), p_layout)
-            # Steps 1.. : masked right edge, unmasked middle, masked left edge.
+            # Steps 1.. : masked right edge, unmasked middle, masked left edge (unrolled:
+            # MASK is a compile-time constant per segment).
             r1 = gl.maximum(n_max - n_full_max, 1)
             r2 = gl.maximum(n_max - n_full_min, r1)
-            for it in range(1, r1):
-                o_acc, m_i, l_i, p_prev = _fwd_step(
-                    kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                    turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                    qk_scale, softcap_log2, window_left, window_right,
-                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG)
-            for it in range(r1, r2):
-                o_acc, m_i, l_i, p_prev = _fwd_step(
-                    kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                    turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                    qk_scale, softcap_log2, window_left, window_right,
-                    BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG)
-            for it in range(r2, count):
-                o_acc, m_i, l_i, p_prev = _fwd_step(
-                    kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-                    turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                    qk_scale, softcap_log2, window_left, window_right,
-                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG)
+            bounds = (1, r1, r2, count)
+            for seg in gl.static_range(3):
+                for it in range(bounds[seg], bounds[seg + 1]):
+                    o_acc, m_i, l_i, p_prev = _fwd_step(
+                        kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free,
+                        v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                        qk_scale, softcap_log2, window_left, window_right,
+                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG)
             # Epilogue: the PV of the first key block.
             g_last = kv_base + count - 1
             last = g_last % STAGES
