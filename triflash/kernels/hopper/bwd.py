@@ -1,5 +1,8 @@
-"""Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups. DRAFT:
-compiled for sm_90a on the CPU, not yet run on a GPU, not dispatched.
+"""Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups. DRAFT,
+not dispatched: correct on the H200 in the 31 cases its probe reached
+(benchmarks/results/probes/hopper-bwd-check-5387ddb.txt) but slower than the portable
+backward (hopper-bwd-speed-5387ddb.json). Compile check:
+``python -m triflash.kernels.hopper.compile_check --bwd``.
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
 their wgmmas already in the accumulator orientation of dV += P^T dO and dK += dS^T Q and feed
@@ -466,76 +469,3 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
             num_warps=tile.dq_warps, num_stages=tile.dq_stages,
         )
     return dq, dk, dv
-
-
-# ---- CPU compile check (sm_90a) ---------------------------------------------------------
-
-def compile_bwd(headdim: int, dtype: str, feature: str, deterministic: bool = False,
-                cfg=None, keep_asm: bool = False) -> dict:
-    """Compile ``hopper_bwd_kernel`` for sm_90a without a GPU, as a launch would specialize it;
-    report shared memory, ptxas spills/registers and the instructions that must be present."""
-    import os
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from .. import sm90_report
-    from ..portable import AttnParams
-    from .compile_check import FEATURES
-    from .smoke import _specialize
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("Gluon has no interpreter: unset TRITON_INTERPRET")
-    cfg = cfg or HOPPER_BWD[headdim]
-    causal, left, softcap = FEATURES[feature]
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    b, s, h, hk = 2, 1000, 4, 2  # shapes only specialize strides; any will do
-    q, dout = torch.empty(b, s, h, headdim, dtype=tdt), torch.empty(b, s, h, headdim, dtype=tdt)
-    k, v = torch.empty(b, s, hk, headdim, dtype=tdt), torch.empty(b, s, hk, headdim, dtype=tdt)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    pad = triton.cdiv(s, BLOCK_M) * BLOCK_M
-    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
-    dq_accum = torch.empty(b, s, h, headdim)
-    p = AttnParams(headdim ** -0.5, left, 0 if causal else -1, softcap, s, s)
-    args = _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, p, cfg, not deterministic)
-    signature, constexprs, attrs = _specialize(hopper_bwd_kernel, args)
-    compiled = triton.compile(GluonASTSource(hopper_bwd_kernel, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = compiled.asm["ptx"]
-    log = sm90_report._run_ptxas(ptx, compiled.metadata)
-    info = sm90_report.parse_ptxas_log(log)
-    res = dict(kernel="hopper_bwd", headdim=headdim, dtype=dtype, feature=feature,
-               deterministic=deterministic, stages=cfg.stages, shared=compiled.metadata.shared,
-               shared_ok=compiled.metadata.shared <= 232448, num_warps=compiled.metadata.num_warps,
-               registers=info.get("registers"),
-               spill_bytes=info["spill_stores"] + info["spill_loads"],
-               setmaxnreg="setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx,
-               wgmma=ptx.count("wgmma.mma_async"), has_tma="cp.async.bulk.tensor" in ptx,
-               atomics=ptx.count("red.global") + ptx.count("atom.global"))
-    if keep_asm:
-        res["ptx"] = ptx
-        res["ptxas_log"] = log
-        res["ttgir"] = compiled.asm.get("ttgir")
-    return res
-
-
-def main(argv=None):
-    import argparse
-    import json
-    ap = argparse.ArgumentParser(description="sm_90a compile check of the Hopper backward")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    from .compile_check import FEATURES
-    rows = []
-    for d in HEAD_DIMS:
-        for dt in ("bf16", "fp16"):
-            for f in FEATURES:
-                for det in (False, True):
-                    r = compile_bwd(d, dt, f, det)
-                    rows.append(r)
-                    if not a.json:
-                        print(" ".join(f"{key}={val}" for key, val in r.items()), flush=True)
-    if a.json:
-        print(json.dumps(rows))
-
-
-if __name__ == "__main__":
-    main()

@@ -26,50 +26,99 @@ FEATURES = {
 }
 
 
-def compile_fwd(headdim: int, dtype: str, feature: str) -> dict:
-    import torch
+def _compile(kernel, args) -> dict:
+    """Compile a Gluon kernel for sm_90a as a launch with ``args`` would specialize it; the
+    resources and instructions every Hopper kernel is checked for, plus its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .. import configs, sm90_report
-    from ..portable import AttnParams
-    from . import fwd as H
+    from .. import sm90_report
     from .smoke import _specialize
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("Gluon has no interpreter: unset TRITON_INTERPRET (or use run_subprocess)")
-    cfg = configs.SM90_HOPPER_FWD[headdim]
-    causal, left, softcap = FEATURES[feature]
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    b, s, h, hk = 2, 1000, 4, 2  # shapes only specialize strides; any will do
-    q = torch.empty(b, s, h, headdim, dtype=tdt)
-    k, v = torch.empty(b, s, hk, headdim, dtype=tdt), torch.empty(b, s, hk, headdim, dtype=tdt)
-    out, lse = torch.empty_like(q), torch.empty(b, h, s)
-    p = AttnParams(headdim ** -0.5, left, 0 if causal else -1, softcap, s, s)
-    qk_scale, softcap_log2 = p.score_constants()
-    bm = H.ROWS_PER_CONSUMER
-    args = [H.descriptor(q, bm), H.descriptor(k, cfg.block_n), H.descriptor(v, cfg.block_n),
-            H.descriptor(out, bm), lse, *lse.stride(), h, hk, s, s, 64, 8, qk_scale, softcap_log2,
-            p.window_left, p.window_right, cfg.block_n, cfg.stages, cfg.num_consumers,
-            p.window_left >= 0, p.window_right >= 0, softcap > 0.0, cfg.pingpong,
-            cfg.loader_regs, cfg.consumer_regs]
-    signature, constexprs, attrs = _specialize(H.hopper_fwd_kernel, args)
-    compiled = triton.compile(GluonASTSource(H.hopper_fwd_kernel, signature, constexprs, attrs),
+    signature, constexprs, attrs = _specialize(kernel, args)
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = compiled.asm["ptx"]
     info = sm90_report.parse_ptxas_log(sm90_report._run_ptxas(ptx, compiled.metadata))
-    return dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
-                block_n=cfg.block_n, stages=cfg.stages, shared=compiled.metadata.shared,
-                num_warps=compiled.metadata.num_warps,
-                spill_bytes=info["spill_stores"] + info["spill_loads"],
+    return dict(shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+                registers=info["registers"], spill_bytes=info["spill_stores"] + info["spill_loads"],
                 setmaxnreg="setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx,
-                has_wgmma="wgmma.mma_async" in ptx, has_tma="cp.async.bulk.tensor" in ptx)
+                has_wgmma="wgmma.mma_async" in ptx, has_tma="cp.async.bulk.tensor" in ptx,
+                atomics=ptx.count("red.global") + ptx.count("atom.global"), ptx=ptx)
+
+
+def _problem(headdim, dtype, feature):
+    """Small CPU tensors (shapes only specialize strides) and the AttnParams of ``feature``."""
+    import torch
+
+    from ..portable import AttnParams
+    causal, left, softcap = FEATURES[feature]
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    b, s, h, hk = 2, 1000, 4, 2
+    q = torch.empty(b, s, h, headdim, dtype=tdt)
+    k, v = torch.empty(b, s, hk, headdim, dtype=tdt), torch.empty(b, s, hk, headdim, dtype=tdt)
+    p = AttnParams(headdim ** -0.5, left, 0 if causal else -1, softcap, s, s)
+    return q, k, v, p
+
+
+def compile_fwd(headdim: int, dtype: str, feature: str) -> dict:
+    import torch
+
+    from .. import configs
+    from . import fwd as H
+    cfg = configs.SM90_HOPPER_FWD[headdim]
+    q, k, v, p = _problem(headdim, dtype, feature)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1])
+    qk_scale, softcap_log2 = p.score_constants()
+    bm = H.ROWS_PER_CONSUMER
+    args = [H.descriptor(q, bm), H.descriptor(k, cfg.block_n), H.descriptor(v, cfg.block_n),
+            H.descriptor(out, bm), lse, *lse.stride(), q.shape[2], k.shape[2], q.shape[1],
+            k.shape[1], 64, 8, qk_scale, softcap_log2,
+            p.window_left, p.window_right, cfg.block_n, cfg.stages, cfg.num_consumers,
+            p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0, cfg.pingpong,
+            cfg.loader_regs, cfg.consumer_regs]
+    return dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
+                block_n=cfg.block_n, stages=cfg.stages, **_compile(H.hopper_fwd_kernel, args))
+
+
+def compile_bwd(headdim: int, dtype: str, feature: str, deterministic: bool = False) -> dict:
+    """The draft backward (``hopper/bwd.py``, not dispatched)."""
+    import torch
+    import triton
+
+    from . import bwd as B
+    cfg = B.HOPPER_BWD[headdim]
+    q, k, v, p = _problem(headdim, dtype, feature)
+    b, s, h = q.shape[0], q.shape[1], q.shape[2]
+    pad = triton.cdiv(s, B.BLOCK_M) * B.BLOCK_M
+    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
+    args = B._kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                          stat, delta, torch.empty(q.shape), p, cfg, not deterministic)
+    return dict(kernel="hopper_bwd", headdim=headdim, dtype=dtype, feature=feature,
+                deterministic=deterministic, stages=cfg.stages,
+                **_compile(B.hopper_bwd_kernel, args))
 
 
 def all_fwd(dtypes=("bf16", "fp16")):
     from .. import configs
     return [compile_fwd(d, dt, f) for d in sorted(configs.SM90_HOPPER_FWD)
             for dt in dtypes for f in FEATURES]
+
+
+def all_bwd(dtypes=("bf16",)):
+    from . import bwd as B
+    return [compile_bwd(d, dt, f, det) for d in B.HEAD_DIMS for dt in dtypes
+            for f in FEATURES for det in (False, True)]
+
+
+def code_of(ptx: str) -> str:
+    """The instructions of a PTX module without debug sections and debug labels: two kernels
+    whose ``code_of`` is equal compile to the same program (how a refactor of a kernel that
+    cannot run here is checked against the version measured on the GPU)."""
+    return "\n".join(line for line in ptx.split(".section")[0].splitlines()
+                     if "$L__tmp" not in line and not line.lstrip().startswith(".loc"))
 
 
 def run_subprocess(timeout=900) -> list:
@@ -88,8 +137,19 @@ def run_subprocess(timeout=900) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--bwd", action="store_true", help="the draft backward instead of the forward")
+    ap.add_argument("--dump", metavar="DIR",
+                    help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
+                         "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    rows = all_fwd()
+    rows = all_bwd() if a.bwd else all_fwd()
+    for r in rows:
+        ptx = r.pop("ptx")
+        if a.dump:
+            os.makedirs(a.dump, exist_ok=True)
+            name = "-".join(str(r[k]) for k in ("kernel", "headdim", "dtype", "feature", "deterministic") if k in r)
+            with open(os.path.join(a.dump, name + ".ptx"), "w") as fh:
+                fh.write(code_of(ptx))
     if a.json:
         print(json.dumps(rows))
     else:
