@@ -100,11 +100,10 @@ def fa_tolerance(ref, ref_lowp, rtol=2.0):
     return rtol * max_err(ref_lowp, ref) + atol
 
 
-def assert_matches_reference(out, lse, out_ref, lse_ref, out_lowp, inputs, dout, softcap=0.0):
-    """FlashAttention-3's checks on one call: out and lse against the fp32 reference (rows that
-    see no key have lse exactly -inf), then dq/dk/dv for ``dout`` against the fp32 reference's
-    gradients, each error within ``fa_tolerance`` of the low-precision reference's (rtol 3
-    and +3e-4 with softcap, as FA3). Returns the kernel's gradients."""
+def assert_forward_matches(out, lse, out_ref, lse_ref, out_lowp, softcap=0.0):
+    """FlashAttention-3's forward checks: out within ``fa_tolerance`` of the fp32 reference
+    (rtol 3 with softcap), no NaN, lse -inf exactly on rows that see no key and close to the
+    reference elsewhere."""
     rtol = 2.0 if softcap == 0.0 else 3.0
     assert not out.isnan().any(), "output has NaN (unwritten or invalid)"
     err, tol = max_err(out, out_ref), fa_tolerance(out_ref, out_lowp, rtol)
@@ -114,14 +113,28 @@ def assert_matches_reference(out, lse, out_ref, lse_ref, out_lowp, inputs, dout,
     if seen.any():
         scale = max(1.0, lse_ref[seen].abs().max().item())
         assert max_err(lse[seen], lse_ref[seen]) <= 1e-3 * scale
-    grads = torch.autograd.grad(out, inputs, dout)
-    grads_ref = torch.autograd.grad(out_ref, inputs, dout)
-    grads_lowp = torch.autograd.grad(out_lowp, inputs, dout)
+
+
+def assert_grads_match(grads, grads_ref, grads_lowp, softcap=0.0):
+    """FlashAttention-3's gradient checks on (dq, dk, dv): no NaN, each error within
+    ``fa_tolerance`` of the low-precision reference's (rtol 3 and +3e-4 with softcap)."""
+    rtol = 2.0 if softcap == 0.0 else 3.0
     for name, g, g_ref, g_lowp in zip(("dq", "dk", "dv"), grads, grads_ref, grads_lowp):
         assert not g.isnan().any(), f"{name} has NaN"
         err = max_err(g, g_ref)
         tol = fa_tolerance(g_ref, g_lowp, rtol) + (0.0 if softcap == 0.0 else 3e-4)
         assert err <= tol, f"{name}: max error {err} > tolerance {tol}"
+
+
+def assert_matches_reference(out, lse, out_ref, lse_ref, out_lowp, inputs, dout, softcap=0.0):
+    """FlashAttention-3's checks on one call: ``assert_forward_matches``, then dq/dk/dv for
+    ``dout`` against the fp32 reference's gradients (``assert_grads_match``). Returns the
+    kernel's gradients."""
+    assert_forward_matches(out, lse, out_ref, lse_ref, out_lowp, softcap)
+    grads = torch.autograd.grad(out, inputs, dout)
+    grads_ref = torch.autograd.grad(out_ref, inputs, dout)
+    grads_lowp = torch.autograd.grad(out_lowp, inputs, dout)
+    assert_grads_match(grads, grads_ref, grads_lowp, softcap)
     return grads
 
 
