@@ -115,6 +115,23 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     return out, lse
 
 
+def launch_dq(q, k, v, dout, lse, delta, dq, s, p: AttnParams, cfg: BwdConfig, flags):
+    """The separate dQ kernel (no atomics): one program per query block. ``s`` and ``flags``
+    as ``_seq_args`` / ``_common_flags`` build them; ``delta`` has ``lse``'s shape and strides."""
+    varlen = s["varlen"]
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    qk_scale, softcap_log2 = p.score_constants()
+    bwd_dq_kernel[(triton.cdiv(p.max_seqlen_q, cfg.dq_block_m), s["batch"] * nheads)](
+        q, k, v, dout, lse, delta, dq,
+        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+        *_bshd_strides(dout, varlen), *_lse_strides(lse, varlen), *_bshd_strides(dq, varlen),
+        *s["ptrs"], nheads, nheads_kv, *s["sizes"],
+        qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **s["flags"], **flags,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )
+
+
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         p: AttnParams, cfg: BwdConfig, deterministic: bool, upcast: bool,
         dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None,
@@ -166,13 +183,5 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     if atomic_dq:
         dq.copy_(dq_accum)
     else:
-        bwd_dq_kernel[(triton.cdiv(p.max_seqlen_q, cfg.dq_block_m), s["batch"] * nheads)](
-            q, k, v, dout, lse, delta, dq,
-            *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
-            *_bshd_strides(dout, varlen), *lse_strides, *_bshd_strides(dq, varlen),
-            *s["ptrs"], nheads, nheads_kv, *s["sizes"],
-            qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
-            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **s["flags"], **flags,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-        )
+        launch_dq(q, k, v, dout, lse, delta, dq, s, p, cfg, flags)
     return dq, dk, dv

@@ -411,7 +411,6 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
     deterministic=False: dQ with fp32 atomics inside the kernel, then dq = dq_accum * scale.
     deterministic=True: the kernel without dQ, then the portable ``bwd_dq_kernel``."""
     from .. import configs
-    from ..bwd import bwd_dq_kernel
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     why_not = supports(dout, q, k, v, out)
@@ -451,21 +450,9 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
         hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dummy,
                                               params, cfg, False), num_warps=4)
         # the portable dQ kernel reads LSE and Delta with one set of strides
-        lse_c = lse.contiguous()
-        delta_c = delta[:, :, :seqlen_q].contiguous()
-        tile = configs.SM90_BWD[d]
-        qk_scale, softcap_log2 = params.score_constants()
-        bwd_dq_kernel[(triton.cdiv(seqlen_q, tile.dq_block_m), batch * nheads)](
-            q, k, v, dout, lse_c, delta_c, dq,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            *lse_c.stride(), dq.stride(0), dq.stride(1), dq.stride(2),
-            q, q, q, q, nheads, nheads_kv, seqlen_q, seqlen_k, seqlen_q, seqlen_k,
-            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            HEADDIM=d, HEADDIM_V=d, BLOCK_M=tile.dq_block_m, BLOCK_N=tile.dq_block_n,
-            BLOCK_D=d, BLOCK_DV=d, IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False,
-            HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
-            SOFTCAP=params.softcap > 0.0, UPCAST=False,
-            num_warps=tile.dq_warps, num_stages=tile.dq_stages,
-        )
+        from .. import portable
+        s = portable._seq_args(q, k, None, None, None, None, params)
+        portable.launch_dq(q, k, v, dout, lse.contiguous(), delta[:, :, :seqlen_q].contiguous(), dq,
+                           s, params, configs.SM90_BWD[d],
+                           portable._common_flags(q, v, params, upcast=False))
     return dq, dk, dv
