@@ -67,11 +67,11 @@ def force_backend(name: str):
         _forced_backend = previous
 
 
-def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k) -> str:
+def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
     """'' when the Gluon forward serves this case, else why not."""
     if hopper_fwd is None:
         return "triton.experimental.gluon is not available"
-    if target_of(q.device) != "sm90":
+    if (target or target_of(q.device)) != "sm90":
         return "not an sm90 GPU"
     if k.shape[1] == 0:
         return "seqlen_k == 0"
@@ -89,7 +89,7 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
     target = target_of(q.device)
     chosen = backend()
     if chosen != "portable" and target == "sm90":
-        why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k)
+        why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
             cfg = configs.SM90_HOPPER_FWD[q.shape[-1]]
             out = portable.alloc_output(q.shape, q.dtype, q.device)
