@@ -30,6 +30,7 @@ def test_cpu_preset(tmp_path):
                          "--impls", "triflash,triflash-portable,sdpa-math,fa3")
     assert rc == 0
     assert data["meta"]["interpreter"] is True
+    assert data["meta"]["complete"] is True  # rewritten with complete=False after each case
     assert "fa3" in data["meta"]["peers_skipped"]  # GPU-only peer: skipped with a reason
     rows = [r for r in data["results"] if r["impl"].startswith("triflash")]
     assert {(r["impl"], r["mode"], r["causal"]) for r in rows} == {
@@ -87,3 +88,25 @@ def test_preset_shape_flags_select():
     cases = filter_cases(build_cases(PRESETS["h200"]), headdims=[256])
     assert cases and all(c.headdim == 256 for c in cases)
     assert any(c.nheads == 36 for c in cases) and any(c.batch == 16 for c in cases)
+
+
+def test_json_written_after_each_case(tmp_path, monkeypatch):
+    """A run stopped mid-way (a device time limit) keeps the cases it finished."""
+    from triflash.bench import __main__ as bench_main
+    out = tmp_path / "bench.json"
+    seen = []
+    original = bench_main.run_cases
+
+    def run_cases_then_stop(cases, impls, args, device, skipped, on_case=None):
+        def record(rows):
+            on_case(rows)
+            seen.append(json.loads(out.read_text()))
+            raise KeyboardInterrupt  # the time limit, after the first case
+        return original(cases, impls, args, device, skipped, on_case=record)
+
+    monkeypatch.setattr(bench_main, "run_cases", run_cases_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--device", "cpu", "--out", str(out), "--preset", "cpu", "--seqlens", "64",
+              "--impls", "triflash"])
+    assert len(seen) == 1 and seen[0]["meta"]["complete"] is False
+    assert seen[0]["results"] and all(r["impl"] == "triflash" for r in seen[0]["results"])

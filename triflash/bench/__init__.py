@@ -46,7 +46,9 @@ JSON schema (``--out``, default ``bench-results.json``)::
         "preset": str, "interpreter": bool, "argv": [str],
         "timing": {"warmup_ms": int, "rep_ms": int, "return_mode": "median",
                    "fwd_autograd": bool},   # false with --inference-fwd (fwd under no_grad)
-        "tflops_convention": str
+        "tflops_convention": str,
+        "complete": bool        # false while the run is in progress: the file is rewritten
+                                # after every case, so a run cut short keeps what it measured
       },
       "results": [
         {

@@ -175,8 +175,8 @@ def load_impls(names, device, skipped):
     return impls
 
 
-def run_cases(cases, impls, args, device, skipped):
-    """Measure everything; returns the result rows."""
+def run_cases(cases, impls, args, device, skipped, on_case=None):
+    """Measure everything; returns the result rows. ``on_case(results)`` runs after each case."""
     import torch
     from triflash.testing import flops
     from .runner import free_memory, make_inputs, reference, run_impl
@@ -237,6 +237,8 @@ def run_cases(cases, impls, args, device, skipped):
             progress.write("\n" + report.detail_table(case_rows) + "\n")
         del x, ref
         free_memory(device)
+        if on_case is not None:
+            on_case(results)
     progress.close()
     return results
 
@@ -262,13 +264,20 @@ def main(argv=None):
     impls = load_impls(select_impls(args, device), device, skipped)
     print(f"{len(cases)} cases x {len(args.modes)} modes x {len(impls)} impls "
           f"({', '.join(i.name for i in impls)}) on {device}, preset {preset}", flush=True)
-    results = run_cases(cases, impls, args, device, skipped)
     versions = {i.name: i.version() for i in impls if i.version()}
-    meta = report.collect_meta(device, args.commit, peers_skipped=skipped, preset=preset,
-                               interpreter=interp, impl_versions=versions,
-                               timing={"warmup_ms": args.warmup, "rep_ms": args.rep,
-                                       "return_mode": "median",
-                                       "fwd_autograd": not args.inference_fwd})
+
+    def meta(complete):
+        return dict(report.collect_meta(device, args.commit, peers_skipped=skipped, preset=preset,
+                                        interpreter=interp, impl_versions=versions,
+                                        timing={"warmup_ms": args.warmup, "rep_ms": args.rep,
+                                                "return_mode": "median",
+                                                "fwd_autograd": not args.inference_fwd}),
+                    complete=complete)
+
+    # rewritten after every case: a run stopped by a time limit keeps what it measured
+    results = run_cases(cases, impls, args, device, skipped,
+                        on_case=lambda rows: report.write_json(args.out, meta(False), rows))
+    meta = meta(True)
     report.write_json(args.out, meta, results)
     names = [i.name for i in impls]
     print("\nTFLOPS (FA convention)" + (" -- interpreter: meaningless" if interp else ""))
