@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The one GPU command: GPU test suite at realistic sizes, then the benchmark preset h200.
-# Usage (repo root, on the H200):  bash scripts/gpu_run.sh COMMIT OUTDIR
+# The GPU command: GPU test suite at realistic sizes, then the benchmark preset h200.
+# Usage (repo root, on the H200):  [PARTS="tests bench"] bash scripts/gpu_run.sh COMMIT OUTDIR
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png}.
+# The two parts take ~150 s and ~480 s: over one device call's 600 s together, so run
+# PARTS=tests and PARTS=bench as two calls (h200.json is rewritten after every case).
 set -u
 COMMIT="${1:-unknown}"
 OUT_DIR="${2:-gpu-out}"
@@ -15,12 +17,15 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cudnn", torch.backends.cudnn.version())'
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
-# 1. GPU tests: the same files as CI, sizes scaled up when CUDA is present.
-timeout "${TEST_TIMEOUT:-160}" python3 -m pytest tests -q -n 8 -p no:cacheprovider \
-  -m "not sm90" -p no:logging --tb=short --ignore=tests/test_bench_cpu.py 2>&1 | tail -n 80 | tee "$OUT_DIR/gpu-tests.txt"
+PARTS="${PARTS:-tests bench}"
+# 1. GPU tests: the same files as CI, sizes scaled up when CUDA is present (-v: each test's
+#    worker and outcome, so a CUDA fault that poisons a worker can be traced to its test).
+[[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests -n 8 -p no:cacheprovider \
+  -m "not sm90" -p no:logging --tb=short -v --ignore=tests/test_bench_cpu.py > "$OUT_DIR/gpu-tests.txt" 2>&1
+[[ " $PARTS " == *" tests "* ]] && tail -n 30 "$OUT_DIR/gpu-tests.txt"
 
 # 2. The benchmark: every installed peer, same run, correctness checked.
-timeout "${BENCH_TIMEOUT:-330}" python3 -m triflash.bench --preset h200 --commit "$COMMIT" \
+[[ " $PARTS " == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-560}" python3 -m triflash.bench --preset h200 --commit "$COMMIT" \
   --impls triflash,triflash-portable,triflash-varlen,triflash-deterministic,sdpa-cudnn,sdpa-flash,flex,fa2,fa3,fa4 \
   --warmup 25 --rep 100 --out "$OUT_DIR/h200.json" --plot "$OUT_DIR/h200.png" 2>&1 \
   | tee "$OUT_DIR/bench-full.txt" | tail -n 80 | tee "$OUT_DIR/bench.txt"
