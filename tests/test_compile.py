@@ -20,12 +20,12 @@ def _qkv(b=1, sq=33, sk=47, h=2, hk=1, d=32, dtype=torch.float16, seed=0):
 
 def test_opcheck_fwd_and_bwd():
     q, k, v = _qkv()
-    args = (q, k, v, None, None, None, None, 33, 47, 32 ** -0.5, -1, 0, 0.0, False)
+    args = (q, k, v, None, None, None, None, [33, 47, -1, 0, 0], [32 ** -0.5, 0.0])
     torch.library.opcheck(torch.ops.triflash.fwd.default, args)
     out, lse = torch.ops.triflash.fwd(*args)
     dout = torch.randn_like(out)
     bwd_args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, None, None, None,
-                33, 47, 32 ** -0.5, -1, 0, 0.0, True)
+                [33, 47, -1, 0, 1], [32 ** -0.5, 0.0])
     torch.library.opcheck(torch.ops.triflash.bwd.default, bwd_args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -91,22 +91,22 @@ def test_permuted_layout_under_compile():
     grads_eager = torch.autograd.grad(f(q, k, v), (q, k, v))
     for a, b in zip(grads, grads_eager):
         assert max_err(a, b) == 0.0
-    out, lse = torch.ops.triflash.fwd(q, k, v, None, None, None, None, 40, 40, 32 ** -0.5, -1, 0, 0.0, True)
+    out, lse = torch.ops.triflash.fwd(q, k, v, None, None, None, None, [40, 40, -1, 0, 1], [32 ** -0.5, 0.0])
     torch.library.opcheck(torch.ops.triflash.bwd.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(),
-                           lse.detach(), None, None, None, None, 40, 40, 32 ** -0.5, -1, 0, 0.0, True),
+                           lse.detach(), None, None, None, None, [40, 40, -1, 0, 1], [32 ** -0.5, 0.0]),
                           test_utils=("test_faketensor",))
 
 
 def test_qkvpacked_ops_opcheck_and_compile():
     g = torch.Generator().manual_seed(6)
     qkv = torch.randn(1, 37, 3, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_()
-    args = (qkv, 0, 32 ** -0.5, -1, 0, 0.0, True)
+    args = (qkv, [0, -1, 0, 1], [32 ** -0.5, 0.0])
     torch.library.opcheck(torch.ops.triflash.fwd_qkvpacked.default, args)
     out, lse = torch.ops.triflash.fwd_qkvpacked(*args)
     torch.library.opcheck(torch.ops.triflash.bwd_qkvpacked.default,
-                          (torch.randn_like(out), qkv.detach(), out.detach(), lse.detach(), 0,
-                           32 ** -0.5, -1, 0, 0.0, True),
+                          (torch.randn_like(out), qkv.detach(), out.detach(), lse.detach(),
+                           [0, -1, 0, 1], [32 ** -0.5, 0.0]),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
     def f(qkv):

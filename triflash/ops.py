@@ -9,7 +9,7 @@ both see the same backward. Dense and varlen share the ops: varlen is "cu_seqlen
 dqkv: the backward kernels write dq, dk and dv straight into views of it, so the gradient
 of a packed input costs no concatenation.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -18,9 +18,23 @@ from . import dispatch
 from .kernels.portable import AttnParams, alloc_output
 
 
-def _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap):
-    return AttnParams(softmax_scale=softmax_scale, window_left=window_left,
-                      window_right=window_right, softcap=softcap,
+# Scalar arguments travel as two lists: torch's custom-op autograd path re-reads the op schema
+# for every argument on every call (torch._library.utils.fill_defaults), a cost quadratic in
+# the argument count: 99 us per forward call with 14 separate arguments (CPU, torch 2.13).
+#   ints   = [max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic]
+#   floats = [softmax_scale, softcap]
+def pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                 softcap, deterministic):
+    """(ints, floats) as the ops take them. The seqlens may be SymInts (torch.compile with
+    dynamic shapes): passed through, never int()-ed, so no shape gets specialized."""
+    return ([max_seqlen_q, max_seqlen_k, int(window_left), int(window_right),
+             int(deterministic)], [float(softmax_scale), float(softcap)])
+
+
+def _params(ints, floats) -> AttnParams:
+    max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
+    return AttnParams(softmax_scale=floats[0], window_left=window_left,
+                      window_right=window_right, softcap=floats[1],
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
@@ -28,17 +42,15 @@ def _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right
 def fwd(q: Tensor, k: Tensor, v: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
         seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
-        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-        window_left: int, window_right: int, softcap: float,
-        deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """(out, lse). ``deterministic`` is only carried to the backward."""
-    p = _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap)
-    return dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
+        ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
+    """(out, lse). ``ints``/``floats`` from ``pack_scalars``; deterministic only travels to
+    the backward."""
+    return dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                            _params(ints, floats))
 
 
 @fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, deterministic):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -51,32 +63,25 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, m
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
         seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
-        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-        window_left: int, window_right: int, softcap: float,
-        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv)."""
     if dout.stride(-1) != 1:  # autograd may hand us expanded (stride-0) gradients
         dout = dout.contiguous()
-    p = _params(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap)
     return dispatch.run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                            seqused_k, p, deterministic)
+                            seqused_k, _params(ints, floats), bool(ints[4]))
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-      deterministic):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
     # contiguous, as the real op allocates them (empty_like would keep a permuted q's strides)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-     softmax_scale, window_left, window_right, softcap, deterministic) = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-                   softcap, deterministic)
+    ctx.scalars = (ints, floats)
 
 
 def _backward(ctx, dout, dlse):
@@ -84,7 +89,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
     dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      *ctx.scalars)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -99,52 +104,53 @@ def split_qkv(qkv: Tensor, num_heads_q: int):
     return qkv.split([num_heads_q, nheads_kv, nheads_kv], dim=2)
 
 
+# Packed ops: ints = [num_heads_q (0: the 5-dim layout), window_left, window_right,
+# deterministic], floats = [softmax_scale, softcap].
+def _packed_params(q, k, ints, floats) -> AttnParams:
+    return _params([q.shape[1], k.shape[1], ints[1], ints[2]], floats)
+
+
 @torch.library.custom_op("triflash::fwd_qkvpacked", mutates_args=())
-def fwd_qkvpacked(qkv: Tensor, num_heads_q: int, softmax_scale: float, window_left: int,
-                  window_right: int, softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
-    q, k, v = split_qkv(qkv, num_heads_q)
-    p = _params(q.shape[1], k.shape[1], softmax_scale, window_left, window_right, softcap)
-    return dispatch.run_fwd(q, k, v, None, None, None, None, p)
+def fwd_qkvpacked(qkv: Tensor, ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
+    q, k, v = split_qkv(qkv, ints[0])
+    return dispatch.run_fwd(q, k, v, None, None, None, None, _packed_params(q, k, ints, floats))
 
 
 @fwd_qkvpacked.register_fake
-def _(qkv, num_heads_q, softmax_scale, window_left, window_right, softcap, deterministic):
-    q, _, _ = split_qkv(qkv, num_heads_q)
+def _(qkv, ints, floats):
+    q, _, _ = split_qkv(qkv, ints[0])
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("triflash::bwd_qkvpacked", mutates_args=())
-def bwd_qkvpacked(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, num_heads_q: int,
-                  softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                  deterministic: bool) -> Tensor:
+def bwd_qkvpacked(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor,
+                  ints: List[int], floats: List[float]) -> Tensor:
     """dqkv, shaped like qkv (contiguous); the kernels write into its q/k/v views."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    q, k, v = split_qkv(qkv, num_heads_q)
+    q, k, v = split_qkv(qkv, ints[0])
     dqkv = alloc_output(qkv.shape, qkv.dtype, qkv.device)
-    dq, dk, dv = split_qkv(dqkv, num_heads_q)
-    p = _params(q.shape[1], k.shape[1], softmax_scale, window_left, window_right, softcap)
-    dispatch.run_bwd(dout, q, k, v, out, lse, None, None, None, None, p, deterministic,
-                     dq=dq, dk=dk, dv=dv)
+    dq, dk, dv = split_qkv(dqkv, ints[0])
+    dispatch.run_bwd(dout, q, k, v, out, lse, None, None, None, None,
+                     _packed_params(q, k, ints, floats), bool(ints[3]), dq=dq, dk=dk, dv=dv)
     return dqkv
 
 
 @bwd_qkvpacked.register_fake
-def _(dout, qkv, out, lse, num_heads_q, softmax_scale, window_left, window_right, softcap,
-      deterministic):
+def _(dout, qkv, out, lse, ints, floats):
     return qkv.new_empty(qkv.shape)
 
 
 def _setup_context_qkvpacked(ctx, inputs, output):
-    qkv, *scalars = inputs
+    qkv, ints, floats = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse)
-    ctx.scalars = scalars
+    ctx.scalars = (ints, floats)
 
 
 def _backward_qkvpacked(ctx, dout, dlse):
     qkv, out, lse = ctx.saved_tensors
-    return (bwd_qkvpacked(dout, qkv, out, lse, *ctx.scalars),) + (None,) * 6
+    return bwd_qkvpacked(dout, qkv, out, lse, *ctx.scalars), None, None
 
 
 fwd_qkvpacked.register_autograd(_backward_qkvpacked, setup_context=_setup_context_qkvpacked)
