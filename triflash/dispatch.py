@@ -28,6 +28,7 @@ from .kernels.fwd import flash_fwd_kernel
 
 try:  # Gluon ships with triton >= 3.5; the portable tier does not need it
     from .kernels.hopper import fwd as hopper_fwd
+    from .kernels.hopper.common import tma_compatible
 except ImportError:  # pragma: no cover
     hopper_fwd = None
 
@@ -80,7 +81,7 @@ def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in hopper_fwd.HEAD_DIMS:
         return f"head dims ({d}, {dv}) (needs equal, one of {hopper_fwd.HEAD_DIMS})"
-    if not hopper_fwd.tma_compatible(q, k, v):
+    if not tma_compatible(q, k, v):
         return "strides or base pointers not 16-byte aligned (TMA)"
     return ""
 

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import m_block_range, tanh
-from .fwd import _acc_layout, _tma_view, descriptor, tma_compatible
+from .common import _acc_layout, _tma_view, descriptor, tma_compatible
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile

@@ -22,8 +22,6 @@ any strides with a contiguous last dim work without copies and TMA zero-fills an
 each sequence's end. Not covered here (dispatch falls back to the portable kernels):
 varlen, head dims other than 64/128/256, headdim_v != headdim.
 """
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -32,21 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import n_block_range, scores, visible
+from .common import _acc_layout, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
-
-
-@gluon.constexpr_function
-def _acc_layout(n, dtype):
-    """wgmma accumulator of one warpgroup: instr m16 x n x k(16 for 16-bit inputs)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
-
-
-@gluon.jit
-def _tma_view(buf, desc):
-    """A 2D [rows, dim] smem tile seen as the rank-4 (1, rows, 1, dim) box of ``desc``."""
-    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -335,32 +321,6 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lseb, stride_l
 # ---- host side --------------------------------------------------------------------------
 
 HEAD_DIMS = (64, 128, 256)
-
-
-def _gl_dtype(dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-
-
-@functools.lru_cache(maxsize=None)
-def _box_layout(rows, dim, dtype):
-    # get_default_for costs ~9 us of Python per call: computed once per (box, dtype)
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, dim], _gl_dtype(dtype))
-
-
-def descriptor(x, rows):
-    """Rank-4 TMA descriptor over x (batch, seqlen, heads, dim), box (1, rows, 1, dim)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor.from_tensor(x, [1, rows, 1, x.shape[-1]], _box_layout(rows, x.shape[-1], x.dtype))
-
-
-def tma_compatible(*tensors) -> bool:
-    """TMA needs 16-byte aligned base pointers and 16-byte multiples for the outer strides."""
-    for x in tensors:
-        if x.data_ptr() % 16 or x.stride(-1) != 1:
-            return False
-        if any((s * x.element_size()) % 16 for s in x.stride()[:-1]):
-            return False
-    return True
 
 
 _NUM_SMS = {}
