@@ -28,8 +28,20 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--deterministic", nargs="+", type=int, default=[1, 0])
+    ap.add_argument("--masks", nargs="+", default=list(MASKS))
+    ap.add_argument("--dq", default="", help="dq_block_m,dq_block_n,dq_warps,dq_stages for the "
+                    "sm90 tile of every head-dim bucket (tries another dQ tile)")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
     args = ap.parse_args()
-    cases = list(itertools.product(args.headdims, args.dtypes, MASKS, SEQLENS, HEADS, args.deterministic))
+    if args.dq:
+        import dataclasses
+        from triflash.kernels import configs
+        bm, bn, w, st = (int(x) for x in args.dq.split(","))
+        for key, cfg in list(configs.SM90_BWD.items()):
+            configs.SM90_BWD[key] = dataclasses.replace(cfg, dq_block_m=bm, dq_block_n=bn,
+                                                        dq_warps=w, dq_stages=st)
+        print(f"dQ tile {args.dq}", flush=True)
+    cases = list(itertools.product(args.headdims, args.dtypes, args.masks, SEQLENS, HEADS, args.deterministic))
     for i, (d, dt, mask, (sq, sk), (h, hk), det) in enumerate(cases):
         if i < args.start:
             continue

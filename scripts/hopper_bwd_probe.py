@@ -2,13 +2,15 @@
 against the fp32 reference, then backward speed beside the portable backward and SDPA-cuDNN.
 
     python scripts/hopper_bwd_probe.py check|speed [--out DIR] [--deterministic]
+                                       [--config stages=3,atomic_dq=1,...]
 
 Run each part in its own process under `timeout` (a deadlocked kernel must not eat the
 device call), e.g. `timeout 900 python scripts/hopper_bwd_probe.py check --out /tmp/p`.
 Results: DIR/bwd-probe-<part>.json and one line per case on stdout (every case runs, a
 failure is printed and the next case goes on). out / lse come from the regular forward
 (`triflash.flash_attn_func(..., return_attn_probs=True)`); dq/dk/dv from
-`hopper.bwd.bwd(...)` called directly (it is not dispatched).
+`hopper.bwd.bwd(...)` called directly with the tile of ``configs.SM90_HOPPER_BWD`` changed
+by ``--config`` (e.g. ``atomic_dq=1`` for the in-kernel atomic dQ).
 """
 import argparse
 import json
@@ -34,6 +36,16 @@ def _params(q, k, causal, window, softcap):
     return AttnParams(q.shape[-1] ** -0.5, left, right, softcap, q.shape[1], k.shape[1])
 
 
+def _cfg(args, d):
+    import dataclasses
+    from triflash.kernels import configs
+    cfg = configs.SM90_HOPPER_BWD[d]
+    for item in filter(None, (args.config or "").split(",")):
+        key, _, val = item.partition("=")
+        cfg = dataclasses.replace(cfg, **{key: type(getattr(cfg, key))(int(val))})
+    return cfg
+
+
 def check(args):
     from triflash.kernels.hopper import bwd as hbwd
     torch.manual_seed(0)
@@ -54,7 +66,7 @@ def check(args):
                     dout = torch.randn_like(out)
                     dq, dk, dv = hbwd.bwd(dout, q.detach(), k.detach(), v.detach(), out, lse,
                                           _params(q, k, causal, window, softcap),
-                                          deterministic=args.deterministic)
+                                          deterministic=args.deterministic, cfg=_cfg(args, d))
                     torch.cuda.synchronize()
                     out_ref, _ = testing.attention_ref(q, k, v, upcast=True, **kw)
                     out_lowp, _ = testing.attention_ref(q, k, v, upcast=False, **kw)
@@ -76,7 +88,7 @@ def check(args):
 SPEED_CASES = [(2, 8192, 16, 128), (2, 8192, 32, 64)]
 
 
-def _bwd_ms(b, s, h, d, causal, impl, deterministic):
+def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -98,18 +110,19 @@ def _bwd_ms(b, s, h, d, causal, impl, deterministic):
     dout = torch.randn_like(out)
     p = _params(q, k, causal, (-1, -1), 0.0)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    return _bench(lambda: hbwd.bwd(dout, qd, kd, vd, out, lse, p, deterministic=deterministic))
+    return _bench(lambda: hbwd.bwd(dout, qd, kd, vd, out, lse, p, deterministic=deterministic, cfg=cfg))
 
 
 def speed(args):
     results = []
     for (b, s, h, d) in SPEED_CASES:
         for causal in (False, True):
-            row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal, deterministic=args.deterministic)
+            row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal, deterministic=args.deterministic,
+                       config=str(_cfg(args, d)))
             flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-            for impl in ("hopper", "portable", "cudnn"):
+            for impl in args.impls.split(","):
                 try:
-                    ms = _bwd_ms(b, s, h, d, causal, impl, args.deterministic)
+                    ms = _bwd_ms(b, s, h, d, causal, impl, args.deterministic, _cfg(args, d))
                     row[impl] = round(flops / ms / 1e9, 1)
                     row[impl + "_ms"] = round(ms, 3)
                 except Exception as e:
@@ -123,13 +136,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["check", "speed"])
     ap.add_argument("--out", default=".")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="kernel without dQ + the portable dQ kernel (no atomics)")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--config", default="", help="HopperBwdConfig fields to change, k=v,...")
+    ap.add_argument("--impls", default="hopper,portable,cudnn")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     res = globals()[args.part](args)
-    suffix = "-det" if args.deterministic else ""
+    suffix = ("-det" if args.deterministic else "") + (
+        "-" + args.config.replace("=", "").replace(",", "-") if args.config else "")
     with open(os.path.join(args.out, f"bwd-probe-{args.part}{suffix}.json"), "w") as f:
         json.dump(dict(part=args.part, gpu=torch.cuda.get_device_name(), seconds=time.time() - t0,
                        deterministic=args.deterministic, results=res), f, indent=1)

@@ -67,3 +67,34 @@ def test_hopper_forward_compiles_for_sm90a():
         assert r["spill_bytes"] <= HOPPER_FWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0), r
         assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"], r
         assert r["num_warps"] == 12, r  # 2 consumer warpgroups + the loader's (padded) warpgroup
+
+
+# (feature, head dim) -> spill bytes allowed in the backward's dK/dV kernel, with the reason.
+HOPPER_BWD_SPILL_BUDGET = {
+    # window bounds + the softcap's tanh and its derivative next to the 64 x 128 fp32 dK and
+    # dV accumulators: 180 B measured (bf16); the plain and causal kernels spill nothing.
+    ("window-softcap", 128): 256,
+}
+
+
+def test_hopper_backward_compiles_for_sm90a():
+    """Every tile of configs.SM90_HOPPER_BWD, fp16 and bf16, plain / causal / window+softcap:
+    the dK/dV kernel as dispatched (no atomics) compiles for sm_90a within the shared-memory
+    limit, spills at most its budget, hands registers to the consumers, uses wgmma and TMA."""
+    problem = R.toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    try:
+        from triflash.kernels.hopper import compile_check
+    except ImportError as e:
+        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
+    from triflash.kernels import configs
+    rows = compile_check.run_subprocess(bwd=True)
+    assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_BWD)
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
+    for r in rows:
+        assert r["shared"] <= R.MAX_SHARED_SM90, r
+        assert r["spill_bytes"] <= HOPPER_BWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0), r
+        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"], r
+        assert r["atomics"] == 0, r
+        assert r["num_warps"] == 12, r

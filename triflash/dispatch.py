@@ -9,7 +9,11 @@
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
                  (dense batches, headdim == headdim_v in {64, 128, 256}, TMA-aligned strides)
               otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
-    backward: portable backward, tile from configs.bwd_config(target, d, dv);
+    backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (tile
+                 configs.SM90_HOPPER_BWD) + the portable dQ kernel; no atomics, so
+                 deterministic=True and False are the same bitwise-reproducible path
+                 (dense batches, headdim == headdim_v in {64, 128}, TMA-aligned strides)
+              otherwise -> portable backward, tile from configs.bwd_config(target, d, dv);
               deterministic=True  -> dK/dV kernel + separate dQ kernel (no atomics)
               deterministic=False -> dK/dV kernel with fp32 atomic dQ, unless the tile
                                      says atomic_dq=False (then as deterministic=True)
@@ -27,10 +31,11 @@ from .kernels import configs, portable
 from .kernels.fwd import flash_fwd_kernel
 
 try:  # Gluon ships with triton >= 3.5; the portable tier does not need it
+    from .kernels.hopper import bwd as hopper_bwd
     from .kernels.hopper import fwd as hopper_fwd
     from .kernels.hopper.common import tma_compatible
 except ImportError:  # pragma: no cover
-    hopper_fwd = None
+    hopper_fwd = hopper_bwd = None
 
 BACKENDS = ("auto", "portable", "hopper")
 _forced_backend = None
@@ -86,6 +91,22 @@ def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
     return ""
 
 
+def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
+    """'' when the Gluon backward serves this case, else why not."""
+    if hopper_bwd is None:
+        return "triton.experimental.gluon is not available"
+    if (target or target_of(q.device)) != "sm90":
+        return "not an sm90 GPU"
+    if cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None:
+        return "varlen / seqused"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv or d not in hopper_bwd.HEAD_DIMS:
+        return f"head dims ({d}, {dv}) (needs equal, one of {hopper_bwd.HEAD_DIMS})"
+    if not tma_compatible(q, k, v):
+        return "strides or base pointers not 16-byte aligned (TMA)"
+    return ""
+
+
 def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
     target = target_of(q.device)
     chosen = backend()
@@ -111,6 +132,16 @@ def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
             params, deterministic, dq=None, dk=None, dv=None):
     """(dq, dk, dv); given dq/dk/dv (any strides, e.g. views of one packed dqkv) are written."""
     target = target_of(q.device)
+    chosen = backend()
+    if chosen != "portable" and target == "sm90":
+        why_not = hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+        if not why_not:
+            return hopper_bwd.bwd(dout, q, k, v, out, lse, params, deterministic,
+                                  configs.SM90_HOPPER_BWD[q.shape[-1]], dq=dq, dk=dk, dv=dv)
+        if chosen == "hopper":
+            raise NotImplementedError(f"triflash: the Hopper backward does not serve this case: {why_not}")
+    elif chosen == "hopper":
+        raise NotImplementedError(f"triflash: the Hopper backend needs an sm90 GPU, got target {target!r}")
     cfg = configs.bwd_config(target, q.shape[-1], v.shape[-1])
     use_atomics = cfg.atomic_dq and not deterministic
     return portable.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,

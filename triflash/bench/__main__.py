@@ -49,6 +49,9 @@ def parse_args(argv):
     t.add_argument("--inference-fwd", action="store_true",
                    help="time fwd under torch.no_grad() (default: autograd on, a training forward)")
     t.add_argument("--cpu-reps", type=int, default=1, help="calls timed per measurement on the CPU")
+    t.add_argument("--only-seqlens", action="append", default=[], metavar="IMPL=S1,S2",
+                   help="run IMPL only on cases with these seqlens (e.g. flex=8192: its "
+                        "torch.compile per shape costs ~20 s a case); repeatable")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ref-budget-gb", type=float, default=2.0, help=(
         "fp32 score bytes the reference may materialize per case; larger cases are checked "
@@ -184,6 +187,10 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
     budget = int(args.ref_budget_gb * (1 << 30) / 4)
     need_grad = any(m != "fwd" for m in args.modes)
     tried = set()  # impls that ran (or failed) on a case already
+    only = {}
+    for item in args.only_seqlens:
+        name, _, lens = item.partition("=")
+        only[name] = {int(x) for x in lens.split(",") if x}
     results = []
     progress = Progress(len(cases) * len(impls))
     for case in cases:
@@ -200,6 +207,8 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
                         host_ms=None,
                         note=ref.note if ref else "not checked (--no-check)")
             reason = impl.unsupported(case)
+            if not reason and impl.name in only and case.seqlen_q not in only[impl.name]:
+                reason = f"--only-seqlens {impl.name}={','.join(map(str, sorted(only[impl.name])))}"
             if reason:
                 case_rows += [dict(base, mode=m, note=f"skipped: {reason}") for m in args.modes]
                 continue

@@ -50,6 +50,25 @@ class HopperFwdConfig:
     loader_regs: int = 24      # setmaxnreg for the loader warp (FA3: 24)
 
 
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """Gluon sm90 dK/dV kernel (kernels/hopper/bwd.py): 2 consumer warpgroups x 64 keys, one
+    TMA loader warp; Q/dO rings of ``stages`` slots of 64 query rows."""
+    stages: int
+    num_consumers: int = 2
+    # False: dQ in the separate (portable) dQ kernel, no atomics: faster on the H200 and
+    # bitwise reproducible. True (deterministic=False only): dQ added with fp32 atomics by
+    # each warpgroup inside the dK/dV kernel, in ``dq_split`` column slices.
+    atomic_dq: bool = False
+    dq_split: int = 1
+    consumer_regs: int = 240
+    loader_regs: int = 24
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.num_consumers
+
+
 # The CPU interpreter: tiles small enough that test sequences of ~100-800 tokens span
 # several blocks (edge masks, partial blocks and the unmasked middle all run), large enough
 # that the interpreter's per-iteration cost stays bearable in CI; tl.dot needs >= 16.
@@ -100,6 +119,19 @@ SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True),
+}
+
+# Hopper tier backward (Gluon dK/dV kernel + the portable dQ kernel with SM90_BWD's dQ tile),
+# by head dim (= headdim_v). Shared memory (bf16): K, V 2 x 64 x D each, Q + dO rings
+# 2 x stages x 64 x D, lse/Delta rings: 64: 83904 B, 128: 132496 B (hopper/compile_check.py).
+# Measured on the H200 (bf16, TFLOPS non-causal / causal, 16k tokens at seqlen 8192,
+# benchmarks/results/probes/hopper-bwd-speed-det-f3942c4.json): 128: 433.1 / 391.0 vs the
+# portable backward 332.4 / 306.3 (cuDNN 520.5 / 487.3); 64: 367.3 / 348.7 vs 286.7 / 270.0
+# (cuDNN 440.8 / 411.3). The same kernel with per-warpgroup atomic dQ (atomic_dq=True) was
+# slower than the portable backward: 298.4 at 128 (hopper-bwd-speed-5387ddb.json).
+SM90_HOPPER_BWD = {
+    64: HopperBwdConfig(stages=3),
+    128: HopperBwdConfig(stages=2, dq_split=2),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -1,7 +1,7 @@
-"""Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups. DRAFT,
-not dispatched: correct on the H200 in the 31 cases its probe reached
-(benchmarks/results/probes/hopper-bwd-check-5387ddb.txt) but slower than the portable
-backward (hopper-bwd-speed-5387ddb.json). Compile check:
+"""Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups computing
+dK and dV, then dQ in the portable ``bwd_dq_kernel`` (no atomics, so the default backward is
+bitwise reproducible too). Dispatched on sm90 for dense batches at head dim 64 and 128
+(= headdim_v); tiles in ``configs.SM90_HOPPER_BWD``. Compile check:
 ``python -m triflash.kernels.hopper.compile_check --bwd``.
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
@@ -31,8 +31,13 @@ those wgmmas from registers. One CTA owns one key block of ``NUM_CONSUMERS * 64`
 
 The host function runs ``bwd_stats_kernel`` (Delta = rowsum(dO * O) and lse in log2 units with
 +inf for rows past len_q / rows that saw no key, both padded to whole 64-row tiles), this
-kernel, then dq = dq_accum * softmax_scale. ``deterministic=True`` runs this kernel without
-dQ (ATOMIC_DQ=False) plus the portable ``bwd_dq_kernel`` (no atomics).
+kernel without dQ (ATOMIC_DQ=False), then the portable ``bwd_dq_kernel``. The in-kernel
+atomic dQ (``HopperBwdConfig.atomic_dq``, deterministic=False only; then
+dq = dq_accum * softmax_scale) is kept for experiments: on the H200 it made the backward
+slower than the portable one (298.4 vs 331.8 TFLOPS at head dim 128,
+benchmarks/results/probes/hopper-bwd-speed-5387ddb.json), while the split form reached 433.1
+(hopper-bwd-speed-det-f3942c4.json): two warpgroups' 64 x D fp32 partials per 64-query step
+saturate the atomic path.
 
 Math and masking are those of ``triflash/kernels/bwd.py`` (the portable backward).
 Covered: dense (batch, seqlen, heads, dim) inputs, head dim 64 / 128 (= headdim_v),
@@ -53,27 +58,6 @@ from .common import _acc_layout, _tma_view, descriptor, tma_compatible
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
 HEAD_DIMS = (64, 128)
-
-
-class HopperBwdConfig:
-    """Draft tile: 2 consumer warpgroups x 64 keys, Q/dO rings of ``stages`` x 64 rows."""
-
-    def __init__(self, stages=2, dq_split=1, num_consumers=2, consumer_regs=240, loader_regs=24):
-        self.stages = stages
-        self.dq_split = dq_split  # dQ wgmma + atomics in this many column slices of K_w
-        self.num_consumers = num_consumers
-        self.consumer_regs = consumer_regs
-        self.loader_regs = loader_regs
-
-    @property
-    def block_n(self):
-        return ROWS_PER_CONSUMER * self.num_consumers
-
-
-# Shared memory (bf16): K + V 2 x 2 x 64 x D, Q + dO rings 2 x stages x 64 x D, dS^T 2 x 64 x 64
-# (only with atomic dQ), lse/Delta rings, barriers and the warp_specialize capture area.
-# Compiled: D=128 2 stages 148912 B (132480 deterministic); D=64 3 stages 100320 B (83888).
-HOPPER_BWD = {64: HopperBwdConfig(stages=3), 128: HopperBwdConfig(stages=2, dq_split=2)}
 
 
 @gluon.jit
@@ -404,13 +388,15 @@ def _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atom
             cfg.dq_split, cfg.loader_regs, cfg.consumer_regs]
 
 
-def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
+def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None, dk=None, dv=None):
     """(dq, dk, dv) for dense (batch, seqlen, heads, dim) q/k/v/out/dout and lse (batch,
-    heads, seqlen_q) fp32 natural log, as the forward returns it.
+    heads, seqlen_q) fp32 natural log, as the forward returns it. Given dq/dk/dv (any strides,
+    e.g. views of one packed dqkv) are written; dk/dv that TMA cannot store to directly are
+    computed into contiguous buffers and copied.
 
-    deterministic=False: dQ with fp32 atomics inside the kernel, then dq = dq_accum * scale.
-    deterministic=True: the kernel without dQ, then the portable ``bwd_dq_kernel``."""
-    from .. import configs
+    dQ comes from the portable ``bwd_dq_kernel`` unless ``cfg.atomic_dq`` and not
+    ``deterministic`` (then fp32 atomics inside this kernel, dq = dq_accum * scale)."""
+    from .. import configs, portable
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     why_not = supports(dout, q, k, v, out)
@@ -418,14 +404,17 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
         raise NotImplementedError(f"triflash hopper bwd: {why_not}")
     if nheads % nheads_kv:
         raise ValueError("nheads must be a multiple of nheads_kv")
-    cfg = cfg or HOPPER_BWD[d]
+    cfg = cfg or configs.SM90_HOPPER_BWD[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: TMA stores
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq = portable.alloc_output(q.shape, q.dtype, q.device) if dq is None else dq
+    dk_out = portable.alloc_output(k.shape, k.dtype, k.device) if dk is None else dk
+    dv_out = portable.alloc_output(v.shape, v.dtype, v.device) if dv is None else dv
     if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk_out.zero_(), dv_out.zero_()
+    # TMA stores need 16-byte aligned strides; anything else goes through a contiguous buffer
+    dk = dk_out if tma_compatible(dk_out) else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = dv_out if tma_compatible(dv_out) else torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
     # lse_log2 / Delta padded to whole query tiles (TMA boxes stay inside; the pad is +inf / 0)
     seqlen_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
@@ -438,7 +427,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
         HEADDIM_V=v.shape[-1], BLOCK_M=BLOCK_M,
     )
 
-    atomic_dq = not deterministic
+    atomic_dq = cfg.atomic_dq and not deterministic
     grid = (triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
     if atomic_dq:
         dq_accum = torch.zeros((batch, seqlen_q, nheads, d), dtype=torch.float32, device=q.device)
@@ -450,9 +439,12 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None):
         hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dummy,
                                               params, cfg, False), num_warps=4)
         # the portable dQ kernel reads LSE and Delta with one set of strides
-        from .. import portable
         s = portable._seq_args(q, k, None, None, None, None, params)
         portable.launch_dq(q, k, v, dout, lse.contiguous(), delta[:, :, :seqlen_q].contiguous(), dq,
                            s, params, configs.SM90_BWD[d],
                            portable._common_flags(q, v, params, upcast=False))
-    return dq, dk, dv
+    if dk is not dk_out:
+        dk_out.copy_(dk)
+    if dv is not dv_out:
+        dv_out.copy_(dv)
+    return dq, dk_out, dv_out

@@ -1,6 +1,7 @@
 """sm_90a compile check of the Gluon (Hopper) kernels on a machine without a GPU.
 
-For every tile in ``configs.SM90_HOPPER_FWD`` and each feature set, the forward kernel is
+For every tile in ``configs.SM90_HOPPER_FWD`` (``--bwd``: ``configs.SM90_HOPPER_BWD``) and each
+feature set, the forward kernel (the backward's dK/dV kernel) is
 specialized as a launch would specialize it (host TMA descriptors on small CPU tensors),
 compiled for sm_90a, and its PTX run through ``ptxas -v``. Reported per kernel: dynamic
 shared memory (must be <= 232448 B), spill bytes (must be 0), whether ``setmaxnreg``
@@ -83,21 +84,23 @@ def compile_fwd(headdim: int, dtype: str, feature: str) -> dict:
                 block_n=cfg.block_n, stages=cfg.stages, **_compile(H.hopper_fwd_kernel, args))
 
 
-def compile_bwd(headdim: int, dtype: str, feature: str, deterministic: bool = False) -> dict:
-    """The draft backward (``hopper/bwd.py``, not dispatched)."""
+def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False) -> dict:
+    """The dK/dV kernel of ``hopper/bwd.py`` with the tile of ``configs.SM90_HOPPER_BWD``;
+    ``atomic_dq``: the experimental in-kernel dQ (not dispatched)."""
     import torch
     import triton
 
+    from .. import configs
     from . import bwd as B
-    cfg = B.HOPPER_BWD[headdim]
+    cfg = configs.SM90_HOPPER_BWD[headdim]
     q, k, v, p = _problem(headdim, dtype, feature)
     b, s, h = q.shape[0], q.shape[1], q.shape[2]
     pad = triton.cdiv(s, B.BLOCK_M) * B.BLOCK_M
     stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
     args = B._kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                          stat, delta, torch.empty(q.shape), p, cfg, not deterministic)
+                          stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
     return dict(kernel="hopper_bwd", headdim=headdim, dtype=dtype, feature=feature,
-                deterministic=deterministic, stages=cfg.stages,
+                atomic_dq=atomic_dq, stages=cfg.stages,
                 **_compile(B.hopper_bwd_kernel, args))
 
 
@@ -107,10 +110,10 @@ def all_fwd(dtypes=("bf16", "fp16")):
             for dt in dtypes for f in FEATURES]
 
 
-def all_bwd(dtypes=("bf16",)):
-    from . import bwd as B
-    return [compile_bwd(d, dt, f, det) for d in B.HEAD_DIMS for dt in dtypes
-            for f in FEATURES for det in (False, True)]
+def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
+    from .. import configs
+    return [compile_bwd(d, dt, f, a) for d in sorted(configs.SM90_HOPPER_BWD) for dt in dtypes
+            for f in FEATURES for a in atomic]
 
 
 def code_of(ptx: str) -> str:
@@ -121,13 +124,15 @@ def code_of(ptx: str) -> str:
                      if "$L__tmp" not in line and not line.lstrip().startswith(".loc"))
 
 
-def run_subprocess(timeout=900) -> list:
-    """``all_fwd()`` in a fresh interpreter whose environment lacks TRITON_INTERPRET."""
+def run_subprocess(timeout=900, bwd=False) -> list:
+    """``all_fwd()`` (``all_bwd()`` with bwd=True) in a fresh interpreter whose environment
+    lacks TRITON_INTERPRET."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    res = subprocess.run([sys.executable, "-m", "triflash.kernels.hopper.compile_check", "--json"],
+    res = subprocess.run([sys.executable, "-m", "triflash.kernels.hopper.compile_check", "--json"]
+                         + (["--bwd"] if bwd else []),
                          env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"sm_90a compile failed ({res.returncode}):\n{res.stderr[-4000:]}")
@@ -137,17 +142,18 @@ def run_subprocess(timeout=900) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line")
-    ap.add_argument("--bwd", action="store_true", help="the draft backward instead of the forward")
+    ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
+    ap.add_argument("--atomic", action="store_true", help="with --bwd: also the experimental atomic-dQ variant")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    rows = all_bwd() if a.bwd else all_fwd()
+    rows = (all_bwd(atomic=(False, True) if a.atomic else (False,))) if a.bwd else all_fwd()
     for r in rows:
         ptx = r.pop("ptx")
         if a.dump:
             os.makedirs(a.dump, exist_ok=True)
-            name = "-".join(str(r[k]) for k in ("kernel", "headdim", "dtype", "feature", "deterministic") if k in r)
+            name = "-".join(str(r[k]) for k in ("kernel", "headdim", "dtype", "feature", "atomic_dq") if k in r)
             with open(os.path.join(a.dump, name + ".ptx"), "w") as fh:
                 fh.write(code_of(ptx))
     if a.json:

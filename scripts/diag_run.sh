@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call of diagnostics, each part under its own timeout, results under OUTDIR:
+# GPU tests, the dQ-tile fault search (scripts/fault_repro.py), the backward's per-kernel
+# time (scripts/bwd_breakdown.py), Hopper backward tile variants (scripts/hopper_bwd_probe.py).
+# Usage: [PARTS="tests fault breakdown probe"] bash scripts/diag_run.sh COMMIT OUTDIR
+set -u
+COMMIT="${1:-unknown}"; OUT_DIR="${2:-diag-out}"; mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PARTS="${PARTS:-tests fault breakdown probe}"
+for part in $PARTS; do
+  echo "== $part $(date -u +%T)"
+  case $part in
+    tests) PARTS=tests TEST_TIMEOUT="${TEST_TIMEOUT:-280}" bash scripts/gpu_run.sh "$COMMIT" "$OUT_DIR" > /dev/null 2>&1
+           tail -n 15 "$OUT_DIR/gpu-tests.txt" ;;
+    fault) { which compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer; } 2>&1 | head -2
+           for dq in ${DQ_TILES:-128,64,8,2 128,64,8,1 64,64,4,2 128,32,8,2}; do
+             CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 scripts/fault_repro.py --headdims 96 72 \
+               --dtypes bf16 --masks causal --deterministic 1 --dq "$dq" 2>&1 | grep -E "dQ tile|FAULT|DONE|Error" | head -3
+           done 2>&1 | tee "$OUT_DIR/fault-tiles.txt" ;;
+    breakdown) timeout 150 python3 scripts/bwd_breakdown.py --out "$OUT_DIR" 2>&1 | tail -n 14 ;;
+    probe) for c in ${PROBE_CONFIGS:-stages=3}; do
+             timeout 90 python3 scripts/hopper_bwd_probe.py speed --impls hopper --config "$c" --out "$OUT_DIR" 2>&1 | tail -n 4
+           done ;;
+  esac
+done
+echo "== end $(date -u +%T)"

@@ -1,0 +1,93 @@
+"""The Hopper (Gluon) tier on an sm90 GPU, pinned with ``force_backend("hopper")`` so that a
+case the dispatch meant for it cannot silently fall back to the portable kernels: forward
+(head dim 64/128/256) and backward (64/128) against the fp32 reference under FA3's
+tolerance, every mask, GQA/MQA, odd sequence lengths, packed QKV views, bitwise
+reproducibility; and the cases it does not serve fall back under "auto" and are refused
+under "hopper". Skipped without an sm90 GPU (CI has none: tests/test_hopper_compile.py
+compiles these kernels there instead).
+"""
+import pytest
+import torch
+
+import triflash
+from triflash import dispatch
+from triflash.testing import assert_forward_matches, attention_ref, fa_tolerance, max_err
+
+from test_flash_attn import check_attention
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs an sm90 (Hopper) GPU")
+
+MASKS = {
+    "none": (False, (-1, -1), 0.0),
+    "causal": (True, (-1, -1), 0.0),
+    "window": (False, (93, 17), 0.0),
+    "causal-window-softcap": (True, (200, -1), 20.0),
+}
+# (seqlen_q, seqlen_k, heads, kv heads): odd lengths, sq != sk both ways, MHA / GQA / MQA
+SHAPES = [(1, 1, 4, 4), (113, 203, 8, 2), (1000, 1000, 6, 1), (2048, 1537, 4, 4), (777, 2048, 8, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hopper_fwd_bwd(dtype, d, mask, shape):
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, dtype, causal, window, softcap)
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_hopper_fwd_256(mask):
+    causal, window, softcap = MASKS[mask]
+    q, k, v = (torch.randn(2, s, h, 256, device="cuda", dtype=torch.bfloat16)
+               for s, h in ((1031, 8), (2047, 2), (2047, 2)))
+    with triflash.force_backend("hopper"):
+        out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                            softcap=softcap, return_attn_probs=True)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_bwd_reproducible(d):
+    """The Hopper backward has no atomics: deterministic=False is bitwise reproducible too."""
+    for det in (False, True):
+        with triflash.force_backend("hopper"):
+            g1 = check_attention(2, 1500, 1500, 8, 2, d, torch.bfloat16, True, (-1, -1), 0.0,
+                                 deterministic=det, seed=5)
+            g2 = check_attention(2, 1500, 1500, 8, 2, d, torch.bfloat16, True, (-1, -1), 0.0,
+                                 deterministic=det, seed=5)
+        for a, b in zip(g1, g2):
+            assert torch.equal(a, b)
+
+
+def test_hopper_qkvpacked_writes_views():
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(2, 300, 3, 4, 128, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    with triflash.force_backend("hopper"):
+        out = triflash.flash_attn_qkvpacked_func(qkv, causal=True)
+        dout = torch.randn_like(out)
+        (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    q, k, v = qkv.unbind(2)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    (dref,) = torch.autograd.grad(ref, qkv, dout)
+    (dpt,) = torch.autograd.grad(pt, qkv, dout)
+    assert max_err(dqkv, dref) <= fa_tolerance(dref, dpt)
+
+
+def test_unserved_cases_fall_back_or_are_refused():
+    q = torch.randn(1, 64, 2, 96, device="cuda", dtype=torch.float16)
+    assert dispatch.hopper_bwd_supports(q, q, q, None, None, None) != ""
+    assert dispatch.hopper_fwd_supports(q, q, q, None, None, None) != ""
+    triflash.flash_attn_func(q, q, q)  # auto: the portable tier serves it
+    with triflash.force_backend("hopper"), pytest.raises(NotImplementedError, match="head dims"):
+        triflash.flash_attn_func(q, q, q)
+    q64 = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
+    assert dispatch.hopper_bwd_supports(q64, q64, q64, None, None, None) == ""
