@@ -123,15 +123,20 @@ SM90_HOPPER_FWD = {
 
 # Hopper tier backward (Gluon dK/dV kernel + the portable dQ kernel with SM90_BWD's dQ tile),
 # by head dim (= headdim_v). Shared memory (bf16): K, V 2 x 64 x D each, Q + dO rings
-# 2 x stages x 64 x D, lse/Delta rings: 64: 83904 B, 128: 132496 B (hopper/compile_check.py).
+# 2 x stages x 64 x D, lse/Delta rings (hopper/compile_check.py --bwd).
 # Measured on the H200 (bf16, TFLOPS non-causal / causal, 16k tokens at seqlen 8192,
-# benchmarks/results/probes/hopper-bwd-speed-det-f3942c4.json): 128: 433.1 / 391.0 vs the
-# portable backward 332.4 / 306.3 (cuDNN 520.5 / 487.3); 64: 367.3 / 348.7 vs 286.7 / 270.0
-# (cuDNN 440.8 / 411.3). The same kernel with per-warpgroup atomic dQ (atomic_dq=True) was
-# slower than the portable backward: 298.4 at 128 (hopper-bwd-speed-5387ddb.json).
+# benchmarks/results/probes/hopper-bwd-speed-*-{f3942c4,18c10c4}.json), by Q/dO ring depth:
+#   128: 2 stages 433.1 / 391.0, 3: 437.3 / 386.3, 4: 445.2 / 402.7 (portable backward
+#        332.4 / 306.3, cuDNN 520.5 / 487.3)
+#   64:  3 stages 367.3 / 348.7 (another run 368.4 / 354.1), 4: 374.9 / 354.2 (portable
+#        286.7 / 270.0, cuDNN 440.8 / 411.3)
+# The same kernel with per-warpgroup atomic dQ (atomic_dq=True) was slower than the portable
+# backward: 298.4 at 128 (hopper-bwd-speed-5387ddb.json). Per-kernel time at 128
+# (bwd-breakdown-18c10c4.json): dK/dV 2.90 ms (4 matmuls, ~760 TFLOPS), dQ kernel 3.02 ms
+# (3 matmuls, ~550): the dQ kernel is the next target.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=3),
-    128: HopperBwdConfig(stages=2, dq_split=2),
+    64: HopperBwdConfig(stages=4),
+    128: HopperBwdConfig(stages=4, dq_split=2),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).
