@@ -61,6 +61,11 @@ class HopperBwdConfig:
     # each warpgroup inside the dK/dV kernel, in ``dq_split`` column slices.
     atomic_dq: bool = False
     dq_split: int = 1
+    # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py, a draft: GPU-unchecked) with
+    # ``dq_block_n``-key K/V tiles in ``dq_stages``-deep rings; False: the Triton dQ kernel.
+    gluon_dq: bool = False
+    dq_block_n: int = 64
+    dq_stages: int = 2
     consumer_regs: int = 240
     loader_regs: int = 24
 

@@ -438,11 +438,23 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         dummy = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)  # never touched
         hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dummy,
                                               params, cfg, False), num_warps=4)
+        if cfg.gluon_dq:
+            from . import bwd_dq
+            dq_out = dq if tma_compatible(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            bwd_dq.launch(q, k, v, dout, dq_out, stat, delta, params, cfg.dq_block_n, cfg.dq_stages)
+            if dq_out is not dq:
+                dq.copy_(dq_out)
+            return _finish(dq, dk, dk_out, dv, dv_out)
         # the portable dQ kernel reads LSE and Delta with one set of strides
         s = portable._seq_args(q, k, None, None, None, None, params)
         portable.launch_dq(q, k, v, dout, lse.contiguous(), delta[:, :, :seqlen_q].contiguous(), dq,
                            s, params, configs.SM90_BWD[d],
                            portable._common_flags(q, v, params, upcast=False))
+    return _finish(dq, dk, dk_out, dv, dv_out)
+
+
+def _finish(dq, dk, dk_out, dv, dv_out):
+    """Copy dK / dV computed into contiguous buffers to the requested outputs."""
     if dk is not dk_out:
         dk_out.copy_(dk)
     if dv is not dv_out:

@@ -104,6 +104,22 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False)
                 **_compile(B.hopper_bwd_kernel, args))
 
 
+def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2) -> dict:
+    """The draft Gluon dQ kernel (``hopper/bwd_dq.py``, not dispatched)."""
+    import torch
+    import triton
+
+    from . import bwd_dq as Q
+    q, k, v, p = _problem(headdim, dtype, feature)
+    b, s, h = q.shape[0], q.shape[1], q.shape[2]
+    pad = triton.cdiv(s, 64) * 64
+    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
+    _, args = Q.kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(q), stat, delta, p,
+                            block_n, stages)
+    return dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
+                block_n=block_n, stages=stages, **_compile(Q.hopper_dq_kernel, args))
+
+
 def all_fwd(dtypes=("bf16", "fp16")):
     from .. import configs
     return [compile_fwd(d, dt, f) for d in sorted(configs.SM90_HOPPER_FWD)
@@ -144,11 +160,17 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--atomic", action="store_true", help="with --bwd: also the experimental atomic-dQ variant")
+    ap.add_argument("--dq", action="store_true", help="the draft Gluon dQ kernel (head dims 64, 128)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    rows = (all_bwd(atomic=(False, True) if a.atomic else (False,))) if a.bwd else all_fwd()
+    if a.dq:
+        rows = [compile_dq(d, "bf16", f) for d in (64, 128) for f in FEATURES]
+    elif a.bwd:
+        rows = all_bwd(atomic=(False, True) if a.atomic else (False,))
+    else:
+        rows = all_fwd()
     for r in rows:
         ptx = r.pop("ptx")
         if a.dump:

@@ -1,0 +1,232 @@
+"""Hopper (sm90) dQ kernel in Gluon: the backward's dQ pass with the forward's structure.
+DRAFT, not dispatched: compiles for sm_90a (``compile_check --bwd-dq``); the GPU check is
+``scripts/hopper_bwd_probe.py check --config dq_kernel=1``.
+
+One CTA owns ``NUM_CONSUMERS * 64`` query rows of one (batch, head):
+
+* **loader** (1 warp): TMA-loads each consumer's Q and dO tiles once (one barrier), then
+  streams the K and V tiles (``BLOCK_N`` keys) of every key block ``common.n_block_range``
+  says the query block visits into ``STAGES``-deep rings; one ``kv_ready`` barrier per slot
+  (TMA completes it with the byte count of K + V) and one ``kv_free`` barrier that each
+  consumer arrives on once its last wgmma reading the slot (dQ += dS K) has retired.
+* **consumers** (one warpgroup each, 64 query rows): per key block
+  dP' = dO V^T - Delta (Delta as the initial accumulator: issued first, see
+  ``hopper/bwd.py``), S = Q K^T, P = exp2(S * scale_log2 - lse_log2) (masked on edge
+  blocks), dS = P dP' (times 1 - tanh^2 with softcap), dQ += dS K with dS in registers as
+  the wgmma A operand and the K tile (keys x D, row-major) as B.
+* epilogue: dQ * softmax_scale into the consumer's own Q tile, TMA store (clips rows past
+  the sequence).
+
+Statistics come from the padded ``bwd_stats_kernel`` buffers of ``hopper/bwd.py``
+(lse in log2 units with +inf for rows past len_q and rows that saw no key, Delta), read with
+plain loads: 64 floats per consumer per CTA. Math and masking are those of the portable
+``bwd_dq_kernel``.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from ..common import n_block_range, tanh, visible
+from .common import _acc_layout, _tma_view, descriptor
+
+ROWS_PER_CONSUMER = 64
+
+
+@gluon.jit
+def _dq_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """CTA -> (batch, head, head_kv, first row, key block range); the longest query blocks
+    (the last ones under causal) first."""
+    bh = tile // num_m_blocks
+    m_block = num_m_blocks - 1 - (tile - bh * num_m_blocks)
+    batch = bh // nheads
+    head = bh - batch * nheads
+    head_kv = head // (nheads // nheads_kv)
+    n_min, n_full_min, n_full_max, n_max = n_block_range(
+        m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    return batch, head, head_kv, m_block * BLOCK_M, n_min, n_full_min, n_full_max, n_max
+
+
+@gluon.jit
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
+               kv_ready, kv_free, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+               window_left, window_right, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _dq_tile(
+        gl.program_id(0), num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left,
+        window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [batch, row0 + c * BM, head, 0], q_ready,
+                                        _tma_view(q_bufs.index(c), q_desc))
+        tma.async_copy_global_to_shared(do_desc, [batch, row0 + c * BM, head, 0], q_ready,
+                                        _tma_view(do_bufs.index(c), do_desc))
+    for it in range(n_max - n_min):
+        n = n_min + it
+        stage = it % STAGES
+        # a fresh barrier counts as having completed the phase before 0
+        mbarrier.wait(kv_free.index(stage), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, n * BLOCK_N, head_kv, 0], kv_ready.index(stage),
+                                        _tma_view(k_ring.index(stage), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [batch, n * BLOCK_N, head_kv, 0], kv_ready.index(stage),
+                                        _tma_view(v_ring.index(stage), v_desc))
+
+
+@gluon.jit
+def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, delta,
+             rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right,
+             STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+    """Key block ``n`` (ring slot ``it``); returns dq. Each wgmma is waited for inside the
+    step (an async token cannot be carried through a loop); the two consumer warpgroups
+    overlap each other's element-wise work and wgmmas."""
+    BM: gl.constexpr = q_buf.shape[0]
+    D: gl.constexpr = q_buf.shape[1]
+    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    dtype: gl.constexpr = q_buf.dtype
+    KW: gl.constexpr = 32 // dtype.primitive_bitwidth
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, dtype)
+    o_layout: gl.constexpr = _acc_layout(D, dtype)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
+    stage = it % STAGES
+    mbarrier.wait(kv_ready.index(stage), (it // STAGES) & 1)
+    k_buf = k_ring.index(stage)
+    v_buf = v_ring.index(stage)
+    dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)),
+                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout) - gl.expand_dims(delta, 1),
+                           is_async=True)
+    s_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    dp, s = warpgroup_mma_wait(0, deps=(dp_tok, s_tok))
+    if SOFTCAP:
+        t = tanh(s * qk_scale)
+        p = gl.exp2(t * softcap_log2 - gl.expand_dims(lse, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+    if MASK:
+        cols = n * BLOCK_N + cols0
+        p = gl.where(visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), len_q, len_k,
+                             window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+    ds = p * dp
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+    dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+    mbarrier.arrive(kv_free.index(stage))  # K and V of this slot are no longer read
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_desc, STAT, DELTA,
+                 stride_sb, stride_sh, num_m_blocks, nheads, nheads_kv, len_q, len_k,
+                 qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                 STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr):
+    BM: gl.constexpr = q_buf.shape[0]
+    D: gl.constexpr = q_buf.shape[1]
+    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    dtype: gl.constexpr = q_buf.dtype
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, dtype)
+    o_layout: gl.constexpr = _acc_layout(D, dtype)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _dq_tile(
+        gl.program_id(0), num_m_blocks, nheads, nheads_kv, len_q, len_k, window_left,
+        window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    row_start = row0 + CID * BM
+    rows = row_start + gl.arange(0, BM, layout=row_layout)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # rows past len_q: lse_log2 = +inf, so P = 0 there
+    stat_off = batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + rows
+    lse = gl.load(STAT + stat_off, mask=rows < len_q, other=float("inf"))
+    delta = gl.load(DELTA + stat_off, mask=rows < len_q, other=0.0)
+    dq = gl.zeros([BM, D], gl.float32, o_layout)
+    mbarrier.wait(q_ready, 0)
+    bounds = (n_min, n_full_min, n_full_max, n_max)
+    for seg in gl.static_range(3):  # masked left edge, unmasked middle, masked right edge
+        for n in range(bounds[seg], bounds[seg + 1]):
+            dq = _dq_step(n - n_min, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free,
+                          dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
+                          softcap_log2, window_left, window_right,
+                          STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+    # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
+    q_buf.store((dq * softmax_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [batch, row_start, head, 0], _tma_view(q_buf, dq_desc))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, STAT, DELTA, stride_sb, stride_sh,
+                     nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks,
+                     qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                     STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    DV: gl.constexpr = v_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(BM == 64, "one warpgroup owns 64 query rows")
+    gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
+    gl.static_assert(D == DV, "headdim == headdim_v")
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BM, D], q_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BM, D], q_layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=NUM_CONSUMERS)
+
+    gl.warp_specialize(
+        [(_dq_consumer, (q_bufs.index(0), do_bufs.index(0), q_ready, k_ring, v_ring, kv_ready,
+                         kv_free, dq_desc, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
+                         nheads, nheads_kv, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                         softcap_log2, window_left, window_right,
+                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0)),
+         (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, k_ring, v_ring, kv_ready,
+                         kv_free, dq_desc, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
+                         nheads, nheads_kv, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                         softcap_log2, window_left, window_right,
+                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1)),
+         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
+                       kv_ready, kv_free, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                       window_left, window_right, NUM_CONSUMERS, STAGES, HAS_LEFT, HAS_RIGHT))],
+        [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def kernel_args(q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
+                loader_regs=24, consumer_regs=240):
+    """Launch arguments of ``hopper_dq_kernel`` (dense (batch, seqlen, heads, dim) tensors,
+    ``stat`` / ``delta`` the padded (batch, heads, seqlen_pad) buffers); returns (grid, args)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    bm = ROWS_PER_CONSUMER
+    num_m_blocks = triton.cdiv(seqlen_q, bm * num_consumers)
+    qk_scale, softcap_log2 = params.score_constants()
+    args = [descriptor(q, bm), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, bm),
+            descriptor(dq, bm), stat, delta, stat.stride(0), stat.stride(1),
+            nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks,
+            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
+            stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
+            params.softcap > 0.0, loader_regs, consumer_regs]
+    return (num_m_blocks * nheads * batch,), args
+
+
+def launch(q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2):
+    grid, args = kernel_args(q, k, v, dout, dq, stat, delta, params, block_n, stages)
+    hopper_dq_kernel[grid](*args, num_warps=4)
