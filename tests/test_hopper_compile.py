@@ -98,3 +98,21 @@ def test_hopper_backward_compiles_for_sm90a():
         assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"], r
         assert r["atomics"] == 0, r
         assert r["num_warps"] == 12, r
+
+
+def test_hopper_dq_draft_compiles_for_sm90a():
+    """The Gluon dQ kernel (hopper/bwd_dq.py; measured on the H200, not dispatched yet):
+    head dims 64/128, plain / causal / window+softcap, within shared memory, no spills."""
+    problem = R.toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    try:
+        from triflash.kernels.hopper import compile_check
+    except ImportError as e:
+        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
+    rows = compile_check.run_subprocess(dq=True)
+    assert {r["headdim"] for r in rows} == {64, 128}
+    for r in rows:
+        assert r["shared"] <= R.MAX_SHARED_SM90, r
+        assert r["spill_bytes"] == 0, r
+        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"] and r["atomics"] == 0, r

@@ -61,8 +61,14 @@ class HopperBwdConfig:
     # each warpgroup inside the dK/dV kernel, in ``dq_split`` column slices.
     atomic_dq: bool = False
     dq_split: int = 1
-    # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py, a draft: GPU-unchecked) with
-    # ``dq_block_n``-key K/V tiles in ``dq_stages``-deep rings; False: the Triton dQ kernel.
+    # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py) with ``dq_block_n``-key K/V tiles
+    # in ``dq_stages``-deep rings; False: the Triton dQ kernel. Not yet the default: the
+    # H200 probe at 8151f01 passed the 10 gradient checks it reached
+    # (probes/hopper-dq-check-8151f01.txt) and measured the backward at 128 509.6 / 468.6
+    # TFLOPS (non-causal / causal) and at 64 418.3 / 397.1 (426.7 / 401.8 with 128-key
+    # tiles), against 445.2 / 402.7 and 374.9 / 354.2 with the Triton dQ kernel
+    # (probes/hopper-bwd-speed-gluon_dq1*-8151f01.json); it needs the full GPU test suite
+    # before it is switched on.
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2

@@ -140,7 +140,7 @@ def code_of(ptx: str) -> str:
                      if "$L__tmp" not in line and not line.lstrip().startswith(".loc"))
 
 
-def run_subprocess(timeout=900, bwd=False) -> list:
+def run_subprocess(timeout=900, bwd=False, dq=False) -> list:
     """``all_fwd()`` (``all_bwd()`` with bwd=True) in a fresh interpreter whose environment
     lacks TRITON_INTERPRET."""
     env = dict(os.environ)
@@ -148,7 +148,7 @@ def run_subprocess(timeout=900, bwd=False) -> list:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     res = subprocess.run([sys.executable, "-m", "triflash.kernels.hopper.compile_check", "--json"]
-                         + (["--bwd"] if bwd else []),
+                         + (["--bwd"] if bwd else []) + (["--dq"] if dq else []),
                          env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"sm_90a compile failed ({res.returncode}):\n{res.stderr[-4000:]}")
