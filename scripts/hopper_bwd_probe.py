@@ -39,7 +39,7 @@ def _params(q, k, causal, window, softcap):
 def _cfg(args, d):
     import dataclasses
     from triflash.kernels import configs
-    cfg = configs.SM90_HOPPER_BWD[d]
+    cfg = configs.SM90_HOPPER_BWD.get(d) or configs.SM90_HOPPER_BWD_DRAFT[d]
     for item in filter(None, (args.config or "").split(",")):
         key, _, val = item.partition("=")
         cfg = dataclasses.replace(cfg, **{key: type(getattr(cfg, key))(int(val))})
@@ -57,7 +57,7 @@ def check(args):
     results = []
     cases = [CHECK_CASES[i] for i in QUICK] if args.quick else CHECK_CASES
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
-    for d in (64, 128):
+    for d in args.headdims:
         for dtype in dtypes:
             for (b, sq, sk, h, hk, causal, window, softcap) in cases:
                 name = (f"d{d} {str(dtype)[6:]} b{b} sq{sq} sk{sk} h{h}/{hk} causal={causal} "
@@ -92,7 +92,7 @@ def check(args):
     return results
 
 
-SPEED_CASES = [(2, 8192, 16, 128), (2, 8192, 32, 64)]
+SPEED_CASES = [(2, 8192, 16, 128), (2, 8192, 32, 64), (1, 8192, 36, 256)]
 
 
 def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
@@ -122,7 +122,7 @@ def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
 
 def speed(args):
     results = []
-    for (b, s, h, d) in SPEED_CASES:
+    for (b, s, h, d) in (c for c in SPEED_CASES if c[3] in args.headdims):
         for causal in (False, True):
             row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal, deterministic=args.deterministic,
                        config=str(_cfg(args, d)))
@@ -147,6 +147,8 @@ def main():
     ap.add_argument("--config", default="", help="HopperBwdConfig fields to change, k=v,...")
     ap.add_argument("--impls", default="hopper,portable,cudnn")
     ap.add_argument("--quick", action="store_true", help="check: bf16 and 8 of the cases")
+    ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128],
+                    help="256: the draft kernels of configs.SM90_HOPPER_BWD_DRAFT")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

@@ -101,8 +101,9 @@ def test_hopper_backward_compiles_for_sm90a():
 
 
 def test_hopper_dq_draft_compiles_for_sm90a():
-    """The Gluon dQ kernel (hopper/bwd_dq.py; measured on the H200, not dispatched yet):
-    head dims 64/128, plain / causal / window+softcap, within shared memory, no spills."""
+    """The Gluon dQ kernel (hopper/bwd_dq.py; measured on the H200 at 64/128, not dispatched
+    yet): head dims 64/128 (64-key tiles) and 256 (32-key tiles), plain / causal /
+    window+softcap, within shared memory, no spills (24 B at 256 with window+softcap)."""
     problem = R.toolchain_problem()
     if problem:
         pytest.skip(f"sm_90a toolchain unavailable: {problem}")
@@ -111,7 +112,26 @@ def test_hopper_dq_draft_compiles_for_sm90a():
     except ImportError as e:
         pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
     rows = compile_check.run_subprocess(dq=True)
-    assert {r["headdim"] for r in rows} == {64, 128}
+    assert {r["headdim"] for r in rows} == {64, 128, 256}
+    for r in rows:
+        assert r["shared"] <= R.MAX_SHARED_SM90, r
+        assert r["spill_bytes"] <= (32 if (r["headdim"], r["feature"]) == (256, "window-softcap") else 0), r
+        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"] and r["atomics"] == 0, r
+
+
+def test_hopper_bwd256_draft_compiles_for_sm90a():
+    """The head-dim-256 dK/dV draft (hopper/bwd256.py, never run on a GPU yet): plain /
+    causal / window+softcap compile for sm_90a, shared memory within the limit (it is
+    sized to ~225 KB), no spills, no atomics."""
+    problem = R.toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    try:
+        from triflash.kernels.hopper import compile_check
+    except ImportError as e:
+        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
+    rows = compile_check.run_subprocess(bwd256=True)
+    assert len(rows) == 3
     for r in rows:
         assert r["shared"] <= R.MAX_SHARED_SM90, r
         assert r["spill_bytes"] == 0, r

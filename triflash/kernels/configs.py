@@ -150,6 +150,14 @@ SM90_HOPPER_BWD = {
     128: HopperBwdConfig(stages=4, dq_split=2),
 }
 
+# Drafts the dispatch does not pick yet (hopper.bwd.bwd serves them when called directly,
+# e.g. by scripts/hopper_bwd_probe.py --headdims 256): head dim 256, dK/dV with the head-dim
+# axis split over the two consumer warpgroups (hopper/bwd256.py: 230928 B shared, no spills)
+# and the Gluon dQ kernel with 32-key tiles (64-key tiles spill 2.8 KB at 256).
+SM90_HOPPER_BWD_DRAFT = {
+    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2),
+}
+
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).
 DEFAULT_FWD = {
     64: FwdConfig(128, 64, 4, 2),

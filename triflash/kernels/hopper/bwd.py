@@ -57,7 +57,8 @@ from .common import _acc_layout, _tma_view, descriptor, tma_compatible
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)      # dispatched
+DRAFT_HEAD_DIMS = (256,)   # bwd() serves it when called directly (probes): hopper/bwd256.py
 
 
 @gluon.jit
@@ -354,11 +355,13 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
 
 # ---- host side --------------------------------------------------------------------------
 
-def supports(dout, q, k, v, out) -> str:
-    """'' when this backward serves the (dense) case, else why not."""
+def supports(dout, q, k, v, out, draft=False) -> str:
+    """'' when this backward serves the (dense) case, else why not (``draft``: the head dims
+    of kernels not yet dispatched count too)."""
     d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or d not in HEAD_DIMS:
-        return f"head dims ({d}, {dv}) (needs equal, one of {HEAD_DIMS})"
+    dims = HEAD_DIMS + (DRAFT_HEAD_DIMS if draft else ())
+    if d != dv or d not in dims:
+        return f"head dims ({d}, {dv}) (needs equal, one of {dims})"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype}"
     if not tma_compatible(q, k, v):
@@ -399,12 +402,12 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     from .. import configs, portable
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    why_not = supports(dout, q, k, v, out)
+    why_not = supports(dout, q, k, v, out, draft=True)
     if why_not:
         raise NotImplementedError(f"triflash hopper bwd: {why_not}")
     if nheads % nheads_kv:
         raise ValueError("nheads must be a multiple of nheads_kv")
-    cfg = cfg or configs.SM90_HOPPER_BWD[d]
+    cfg = cfg or configs.SM90_HOPPER_BWD.get(d) or configs.SM90_HOPPER_BWD_DRAFT[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()
     dq = portable.alloc_output(q.shape, q.dtype, q.device) if dq is None else dq
@@ -429,7 +432,11 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
 
     atomic_dq = cfg.atomic_dq and not deterministic
     grid = (triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
-    if atomic_dq:
+    if d in DRAFT_HEAD_DIMS:  # head dim 256: D split over the warpgroups, dQ separate
+        from . import bwd256
+        bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages)
+        atomic_dq = False
+    elif atomic_dq:
         dq_accum = torch.zeros((batch, seqlen_q, nheads, d), dtype=torch.float32, device=q.device)
         hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum,
                                               params, cfg, True), num_warps=4)
@@ -438,6 +445,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         dummy = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)  # never touched
         hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dummy,
                                               params, cfg, False), num_warps=4)
+    if not atomic_dq:
         if cfg.gluon_dq:
             from . import bwd_dq
             dq_out = dq if tma_compatible(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -30,10 +30,12 @@ def _box_layout(rows, dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, dim], _gl_dtype(dtype))
 
 
-def descriptor(x, rows):
-    """Rank-4 TMA descriptor over x (batch, seqlen, heads, dim), box (1, rows, 1, dim)."""
+def descriptor(x, rows, cols=None):
+    """Rank-4 TMA descriptor over x (batch, seqlen, heads, dim), box (1, rows, 1, cols);
+    cols defaults to the whole head dim."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor.from_tensor(x, [1, rows, 1, x.shape[-1]], _box_layout(rows, x.shape[-1], x.dtype))
+    cols = x.shape[-1] if cols is None else cols
+    return TensorDescriptor.from_tensor(x, [1, rows, 1, cols], _box_layout(rows, cols, x.dtype))
 
 
 def tma_compatible(*tensors) -> bool:

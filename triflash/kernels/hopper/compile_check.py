@@ -120,6 +120,22 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
                 block_n=block_n, stages=stages, **_compile(Q.hopper_dq_kernel, args))
 
 
+def compile_bwd256(dtype: str, feature: str, stages: int = 2) -> dict:
+    """The draft head-dim-256 dK/dV kernel (``hopper/bwd256.py``, not dispatched)."""
+    import torch
+    import triton
+
+    from . import bwd256 as K
+    q, k, v, p = _problem(256, dtype, feature)
+    b, s, h = q.shape[0], q.shape[1], q.shape[2]
+    pad = triton.cdiv(s, 64) * 64
+    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
+    _, args = K.kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                            stat, delta, p, stages)
+    return dict(kernel="hopper_bwd256", headdim=256, dtype=dtype, feature=feature, stages=stages,
+                **_compile(K.hopper_bwd256_kernel, args))
+
+
 def all_fwd(dtypes=("bf16", "fp16")):
     from .. import configs
     return [compile_fwd(d, dt, f) for d in sorted(configs.SM90_HOPPER_FWD)
@@ -140,7 +156,7 @@ def code_of(ptx: str) -> str:
                      if "$L__tmp" not in line and not line.lstrip().startswith(".loc"))
 
 
-def run_subprocess(timeout=900, bwd=False, dq=False) -> list:
+def run_subprocess(timeout=900, bwd=False, dq=False, bwd256=False) -> list:
     """``all_fwd()`` (``all_bwd()`` with bwd=True) in a fresh interpreter whose environment
     lacks TRITON_INTERPRET."""
     env = dict(os.environ)
@@ -148,7 +164,8 @@ def run_subprocess(timeout=900, bwd=False, dq=False) -> list:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     res = subprocess.run([sys.executable, "-m", "triflash.kernels.hopper.compile_check", "--json"]
-                         + (["--bwd"] if bwd else []) + (["--dq"] if dq else []),
+                         + (["--bwd"] if bwd else []) + (["--dq"] if dq else [])
+                         + (["--bwd256"] if bwd256 else []),
                          env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"sm_90a compile failed ({res.returncode}):\n{res.stderr[-4000:]}")
@@ -160,13 +177,17 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--atomic", action="store_true", help="with --bwd: also the experimental atomic-dQ variant")
-    ap.add_argument("--dq", action="store_true", help="the draft Gluon dQ kernel (head dims 64, 128)")
+    ap.add_argument("--dq", action="store_true", help="the draft Gluon dQ kernel (head dims 64, 128, 256)")
+    ap.add_argument("--bwd256", action="store_true", help="the draft head-dim-256 dK/dV kernel")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    if a.dq:
+    if a.bwd256:
+        rows = [compile_bwd256("bf16", f) for f in FEATURES]
+    elif a.dq:
         rows = [compile_dq(d, "bf16", f) for d in (64, 128) for f in FEATURES]
+        rows += [compile_dq(256, "bf16", f, block_n=32, stages=2) for f in FEATURES]
     elif a.bwd:
         rows = all_bwd(atomic=(False, True) if a.atomic else (False,))
     else:

@@ -1,0 +1,320 @@
+"""Hopper (sm90) dK/dV kernel for head dim 256 in Gluon, the head-dim axis split over the two
+consumer warpgroups. DRAFT: compiles for sm_90a (``compile_check --bwd256``), never run on a
+GPU yet; not dispatched. dQ comes from a separate kernel (``hopper/bwd_dq.py`` or the
+portable one), as in ``hopper/bwd.py``.
+
+Why a different structure than ``hopper/bwd.py``: there each warpgroup owns 64 keys and
+holds dK and dV for them, 2 x 64 x D fp32; at D = 256 that is 256 registers per thread,
+more than a thread has. Here one CTA owns 64 keys of one (batch, KV head), and warpgroup
+c in {0, 1} owns columns [128 c, 128 c + 128) of dK and dV (2 x 64 x 128 fp32 = 128
+registers). Per query block (64 rows; every query head of the GQA group, as in bwd.py):
+
+* WG0: S^T = K Q^T (64 keys x 64 queries, two wgmmas over the two 128-column halves of K and
+  Q), P^T = exp2(S^T * scale_log2 - lse_log2) (masked on edge blocks), P^T -> ``pt_buf``
+  (bf16) for WG1; dV[:, :128] += P^T dO[:, :128] with P^T from registers; then
+  dS^T = P^T dP'^T with dP'^T from WG1 (``dp_buf``, fp32) -> ``ds_buf`` (bf16) for WG1;
+  dK[:, :128] += dS^T Q[:, :128] from registers.
+* WG1: dP'^T = V dO^T - Delta (two wgmmas, Delta as the initial accumulator) -> ``dp_buf``;
+  dV[:, 128:] += P^T dO[:, 128:] (P^T from ``pt_buf``); dK[:, 128:] += dS^T Q[:, 128:]
+  (dS^T from ``ds_buf``).
+* loader (1 warp): K and V halves once; Q / dO halves + lse_log2 / Delta per query block
+  into ``STAGES``-deep rings (``q_ready``, ``do_ready``, ``free`` barriers as in bwd.py).
+  Every 256-wide tile is held as two 128-column halves, so no shared tile is ever sliced.
+
+Exchange barriers (one completion per query block; a writer waits for the reader's
+previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
+``ds_ready`` / ``ds_free``. WG0 writes P^T before it waits for dP^T and WG1 writes dP^T
+before it waits for P^T, so neither waits on the other in a cycle.
+
+Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, dp 16 KB, ds 8 KB;
+lse / Delta rings 1 KB: about 225 KB of the 227 KB.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from ..common import m_block_range, tanh
+from .common import _acc_layout, _tma_view, descriptor
+
+BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
+BLOCK_M = 64   # query rows per streamed tile
+HALF = 128     # head-dim columns per warpgroup
+
+
+@gluon.jit
+def _load_halves(desc, coord_b, coord_s, coord_h, bar, lo, hi):
+    H: gl.constexpr = desc.block_type.shape[3]
+    tma.async_copy_global_to_shared(desc, [coord_b, coord_s, coord_h, 0], bar, _tma_view(lo, desc))
+    tma.async_copy_global_to_shared(desc, [coord_b, coord_s, coord_h, H], bar, _tma_view(hi, desc))
+
+
+@gluon.jit
+def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
+            q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
+            batch, head_kv, group, key0, m_min, m_max, STAGES: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    _load_halves(k_desc, batch, key0, head_kv, kv_bar, k_bufs.index(0), k_bufs.index(1))
+    _load_halves(v_desc, batch, key0, head_kv, kv_bar, v_bufs.index(0), v_bufs.index(1))
+    count = m_max - m_min
+    for it in range(group * count):
+        g = it // count
+        m = m_min + (it - g * count)
+        head = head_kv * group + g
+        stage = it % STAGES
+        mbarrier.wait(free.index(stage), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(stage), 2 * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        _load_halves(q_desc, batch, m * BM, head, q_ready.index(stage),
+                     q_ring.index(2 * stage), q_ring.index(2 * stage + 1))
+        tma.async_copy_global_to_shared(lse_desc, [batch, head, m * BM], q_ready.index(stage),
+                                        _tma_view(lse_ring.index(stage), lse_desc))
+        mbarrier.expect(do_ready.index(stage), 2 * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        _load_halves(do_desc, batch, m * BM, head, do_ready.index(stage),
+                     do_ring.index(2 * stage), do_ring.index(2 * stage + 1))
+        tma.async_copy_global_to_shared(delta_desc, [batch, head, m * BM], do_ready.index(stage),
+                                        _tma_view(delta_ring.index(stage), delta_desc))
+
+
+@gluon.jit
+def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
+               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
+               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+               batch, head_kv, group, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
+               qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+               SOFTCAP: gl.constexpr):
+    """WG0: S^T, P^T, dS^T; dK and dV columns [0, 128)."""
+    dtype: gl.constexpr = k_bufs.dtype
+    KN: gl.constexpr = k_bufs.shape[1]
+    H: gl.constexpr = k_bufs.shape[2]
+    BM: gl.constexpr = q_ring.shape[1]
+    KW: gl.constexpr = 32 // dtype.primitive_bitwidth
+    s_layout: gl.constexpr = _acc_layout(BM, dtype)
+    o_layout: gl.constexpr = _acc_layout(H, dtype)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    keys = key0 + gl.arange(0, KN, layout=gl.SliceLayout(1, s_layout))
+    qcols0 = gl.arange(0, BM, layout=col_layout)
+    dk = gl.zeros([KN, H], gl.float32, o_layout)
+    dv = gl.zeros([KN, H], gl.float32, o_layout)
+    mbarrier.wait(kv_bar, 0)
+    count = m_max - m_min
+    bounds = (m_min, m_full_min, m_full_max, m_max)
+    for g in range(group):
+        base = g * count - m_min
+        for seg in gl.static_range(3):
+            for m in range(bounds[seg], bounds[seg + 1]):
+                it = base + m
+                stage = it % STAGES
+                phase = (it // STAGES) & 1
+                x = it & 1  # exchange-barrier phase of this query block
+                mbarrier.wait(q_ready.index(stage), phase)
+                q_lo = q_ring.index(2 * stage)
+                q_hi = q_ring.index(2 * stage + 1)
+                s_tok = warpgroup_mma(k_bufs.index(0), q_lo.permute((1, 0)),
+                                      gl.zeros([KN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(k_bufs.index(1), q_hi.permute((1, 0)), s_tok, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
+                lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
+                if SOFTCAP:
+                    t = tanh(s * qk_scale)
+                    p = gl.exp2(t * softcap_log2 - lse)
+                else:
+                    p = gl.exp2(s * qk_scale - lse)
+                if seg != 1:
+                    # as in bwd.py: (key - query) differences against scalar thresholds
+                    diff = gl.expand_dims(keys - (m + (m >> 31)) * BM, 1) - gl.expand_dims(qcols0, 0)
+                    ok = gl.expand_dims(keys < len_k, 1)
+                    if HAS_RIGHT:
+                        ok = ok & (diff <= len_k - len_q + window_right)
+                    if HAS_LEFT:
+                        ok = ok & (diff >= len_k - len_q - window_left)
+                    p = gl.where(ok, p, 0.0)
+                p16 = p.to(dtype)
+                # P^T for WG1's half of dV
+                mbarrier.wait(pt_free, x ^ 1)
+                pt_buf.store(p16)
+                fence_async_shared()
+                mbarrier.arrive(pt_ready)
+                mbarrier.wait(do_ready.index(stage), phase)
+                dv_tok = warpgroup_mma(gl.convert_layout(p16, op_layout), do_ring.index(2 * stage), dv,
+                                       is_async=True)
+                if SOFTCAP:
+                    p = p * (1.0 - t * t)
+                # dS^T = P^T (dP^T - Delta), dP'^T from WG1
+                mbarrier.wait(dp_ready, x)
+                dp = dp_buf.load(s_layout)
+                mbarrier.arrive(dp_free)
+                ds16 = (p * dp).to(dtype)
+                mbarrier.wait(ds_free, x ^ 1)
+                ds_buf.store(ds16)
+                fence_async_shared()
+                mbarrier.arrive(ds_ready)
+                dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+                mbarrier.arrive(free.index(stage))
+    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, batch, head_kv, key0,
+                len_k, 0, o_layout)
+    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, batch, head_kv, key0, len_k, 0, o_layout)
+
+
+@gluon.jit
+def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
+               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
+               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+               batch, head_kv, group, key0, len_k, m_min, m_max, softmax_scale,
+               STAGES: gl.constexpr):
+    """WG1: dP'^T; dK and dV columns [128, 256)."""
+    dtype: gl.constexpr = k_bufs.dtype
+    KN: gl.constexpr = k_bufs.shape[1]
+    H: gl.constexpr = k_bufs.shape[2]
+    BM: gl.constexpr = q_ring.shape[1]
+    s_layout: gl.constexpr = _acc_layout(BM, dtype)
+    o_layout: gl.constexpr = _acc_layout(H, dtype)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dk = gl.zeros([KN, H], gl.float32, o_layout)
+    dv = gl.zeros([KN, H], gl.float32, o_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(group * (m_max - m_min)):
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        x = it & 1
+        mbarrier.wait(do_ready.index(stage), phase)
+        do_lo = do_ring.index(2 * stage)
+        do_hi = do_ring.index(2 * stage + 1)
+        dp_tok = warpgroup_mma(v_bufs.index(0), do_lo.permute((1, 0)),
+                               gl.zeros([KN, BM], gl.float32, s_layout)
+                               - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
+                               is_async=True)
+        dp_tok = warpgroup_mma(v_bufs.index(1), do_hi.permute((1, 0)), dp_tok, is_async=True)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+        mbarrier.wait(dp_free, x ^ 1)
+        dp_buf.store(dp)
+        fence_async_shared()
+        mbarrier.arrive(dp_ready)
+        mbarrier.wait(pt_ready, x)
+        dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
+        mbarrier.wait(q_ready.index(stage), phase)
+        mbarrier.wait(ds_ready, x)
+        dk_tok = warpgroup_mma(ds_buf, q_ring.index(2 * stage + 1), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+        mbarrier.arrive(pt_free)
+        mbarrier.arrive(ds_free)
+        mbarrier.arrive(free.index(stage))
+    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, batch, head_kv, key0,
+                len_k, H, o_layout)
+    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, batch, head_kv, key0, len_k, H, o_layout)
+
+
+@gluon.jit
+def _store_half(acc, PTR, stride_b, stride_n, stride_h, batch, head_kv, key0, len_k,
+                COL0: gl.constexpr, layout: gl.constexpr):
+    """A [64 keys, 128] fp32 accumulator -> columns [COL0, COL0 + 128) of dK or dV."""
+    KN: gl.constexpr = acc.shape[0]
+    H: gl.constexpr = acc.shape[1]
+    keys = key0 + gl.arange(0, KN, layout=gl.SliceLayout(1, layout))
+    cols = COL0 + gl.arange(0, H, layout=gl.SliceLayout(0, layout))
+    ptrs = (PTR + batch.to(gl.int64) * stride_b + head_kv.to(gl.int64) * stride_h
+            + gl.expand_dims(keys.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0))
+    gl.store(ptrs, acc.to(PTR.dtype.element_ty), mask=gl.expand_dims(keys < len_k, 1))
+
+
+@gluon.jit
+def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
+                         DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                         nheads, nheads_kv, seqlen_q, seqlen_k,
+                         qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         SOFTCAP: gl.constexpr, LOADER_REGS: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    KN: gl.constexpr = k_desc.block_type.shape[1]
+    H: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(KN == 64, "64 keys per CTA")
+    gl.static_assert(BM == 64, "query tiles of 64 rows")
+    gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
+
+    n_block = gl.program_id(0)
+    head_kv = gl.program_id(1)
+    batch = gl.program_id(2)
+    group = nheads // nheads_kv
+    m_min, m_full_min, m_full_max, m_max = m_block_range(
+        n_block, seqlen_q, seqlen_k, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT)
+    key0 = n_block * KN
+
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, H], dtype)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, BM], dtype)
+    dp_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    k_bufs = gl.allocate_shared_memory(dtype, [2, KN, H], half_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2, KN, H], half_layout)
+    q_ring = gl.allocate_shared_memory(dtype, [2 * STAGES, BM, H], half_layout)
+    do_ring = gl.allocate_shared_memory(dtype, [2 * STAGES, BM, H], half_layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
+    pt_buf = gl.allocate_shared_memory(dtype, [KN, BM], x_layout)
+    ds_buf = gl.allocate_shared_memory(dtype, [KN, BM], x_layout)
+    dp_buf = gl.allocate_shared_memory(gl.float32, [KN, BM], dp_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)
+    for i in gl.static_range(6):
+        mbarrier.init(xbar.index(i), count=1)
+    pt_ready = xbar.index(0)
+    pt_free = xbar.index(1)
+    dp_ready = xbar.index(2)
+    dp_free = xbar.index(3)
+    ds_ready = xbar.index(4)
+    ds_free = xbar.index(5)
+
+    gl.warp_specialize(
+        [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
+                       pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                       batch, head_kv, group, key0, seqlen_q, seqlen_k,
+                       m_min, m_full_min, m_full_max, m_max,
+                       qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP)),
+         (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
+                       pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                       batch, head_kv, group, key0, seqlen_k, m_min, m_max, softmax_scale, STAGES)),
+         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
+                    q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
+                    batch, head_kv, group, key0, m_min, m_max, STAGES))],
+        [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages=2, loader_regs=24,
+                consumer_regs=240):
+    """(grid, args) of ``hopper_bwd256_kernel``; ``stat`` / ``delta`` are the padded buffers of
+    ``hopper.bwd.bwd_stats_kernel``."""
+    from .bwd import stat_descriptor
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    assert d == 2 * HALF and v.shape[-1] == d, "head dim 256 only"
+    qk_scale, softcap_log2 = params.score_constants()
+    args = [descriptor(q, BLOCK_M, HALF), descriptor(k, BLOCK_N, HALF), descriptor(v, BLOCK_N, HALF),
+            descriptor(dout, BLOCK_M, HALF), stat_descriptor(stat), stat_descriptor(delta),
+            dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            nheads, nheads_kv, seqlen_q, seqlen_k,
+            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
+            stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
+            loader_regs, consumer_regs]
+    return (triton.cdiv(seqlen_k, BLOCK_N), nheads_kv, batch), args
+
+
+def launch(q, k, v, dout, dk, dv, stat, delta, params, stages=2):
+    grid, args = kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages)
+    hopper_bwd256_kernel[grid](*args, num_warps=4)
+
