@@ -1,4 +1,6 @@
-"""Hopper (Gluon) tier, no GPU needed: the forward kernel (every dispatchable tile) and the smoke kernel ``triflash.kernels.hopper.smoke``
+"""Hopper (Gluon) tier, no GPU needed: the forward and the backward's dK/dV kernel (every
+dispatchable tile), the drafts not dispatched yet (Gluon dQ, head-dim-256 dK/dV), and the
+smoke kernel ``triflash.kernels.hopper.smoke``
 (TMA loads of a Q and a K tile into NVMMA-swizzled shared memory on an mbarrier, one
 ``warpgroup_mma`` S = Q K^T) compiles for sm_90a, its PTX has wgmma and TMA instructions,
 and its shared memory fits the per-block opt-in limit of H100/H200.
@@ -39,19 +41,8 @@ def test_smoke_kernel_compiles_for_sm90a(case):
     assert tiles <= r["shared"] <= R.MAX_SHARED_SM90, r
 
 
-# (feature, head dim) -> spill bytes allowed, with the reason. Plain and causal: none.
-HOPPER_FWD_SPILL_BUDGET = {
-    # sliding-window bounds + the softcap's tanh temporaries on top of the 240 registers the
-    # 128-key S tile and the O accumulator use; a few words spilled on the rare path only.
-    ("window-softcap", 128): 128,
-    ("window-softcap", 256): 128,
-}
-
-
-def test_hopper_forward_compiles_for_sm90a():
-    """Every tile of configs.SM90_HOPPER_FWD, fp16 and bf16, plain / causal / window+softcap:
-    compiles for sm_90a, shared memory within the opt-in limit, no spills (or the budget below), register hand-off
-    (setmaxnreg) from the loader warp to the consumers, wgmma and TMA in the PTX."""
+def _compiled(part):
+    """``compile_check.run_subprocess(part)``; skipped without ptxas or Gluon's Hopper pieces."""
     problem = R.toolchain_problem()
     if problem:
         pytest.skip(f"sm_90a toolchain unavailable: {problem}")
@@ -59,15 +50,27 @@ def test_hopper_forward_compiles_for_sm90a():
         from triflash.kernels.hopper import compile_check
     except ImportError as e:
         pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
-    from triflash.kernels import configs
-    rows = compile_check.run_subprocess()
-    assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_FWD)
-    for r in rows:
-        assert r["shared"] <= R.MAX_SHARED_SM90, r
-        assert r["spill_bytes"] <= HOPPER_FWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0), r
-        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"], r
-        assert r["num_warps"] == 12, r  # 2 consumer warpgroups + the loader's (padded) warpgroup
+    return compile_check.run_subprocess(part)
 
+
+def _check_row(r, spill_budget=0):
+    """What every Gluon kernel must show: shared memory within the opt-in limit, spills
+    within the budget, the register hand-off (setmaxnreg) from the loader warp to the
+    consumers, wgmma and TMA in the PTX, 2 consumer warpgroups + the loader's (padded)
+    warpgroup."""
+    assert r["shared"] <= R.MAX_SHARED_SM90, r
+    assert r["spill_bytes"] <= spill_budget, r
+    assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"], r
+    assert r["num_warps"] == 12, r
+
+
+# (feature, head dim) -> spill bytes allowed, with the reason. Plain and causal: none.
+HOPPER_FWD_SPILL_BUDGET = {
+    # sliding-window bounds + the softcap's tanh temporaries on top of the 240 registers the
+    # 128-key S tile and the O accumulator use; a few words spilled on the rare path only.
+    ("window-softcap", 128): 128,
+    ("window-softcap", 256): 128,
+}
 
 # (feature, head dim) -> spill bytes allowed in the backward's dK/dV kernel, with the reason.
 HOPPER_BWD_SPILL_BUDGET = {
@@ -77,62 +80,44 @@ HOPPER_BWD_SPILL_BUDGET = {
 }
 
 
+def test_hopper_forward_compiles_for_sm90a():
+    """Every tile of configs.SM90_HOPPER_FWD, fp16 and bf16, plain / causal / window+softcap."""
+    from triflash.kernels import configs
+    rows = _compiled("fwd")
+    assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_FWD)
+    for r in rows:
+        _check_row(r, HOPPER_FWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
+
+
 def test_hopper_backward_compiles_for_sm90a():
     """Every tile of configs.SM90_HOPPER_BWD, fp16 and bf16, plain / causal / window+softcap:
-    the dK/dV kernel as dispatched (no atomics) compiles for sm_90a within the shared-memory
-    limit, spills at most its budget, hands registers to the consumers, uses wgmma and TMA."""
-    problem = R.toolchain_problem()
-    if problem:
-        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
-    try:
-        from triflash.kernels.hopper import compile_check
-    except ImportError as e:
-        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
+    the dK/dV kernel as dispatched, without atomics."""
     from triflash.kernels import configs
-    rows = compile_check.run_subprocess(bwd=True)
+    rows = _compiled("bwd")
     assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_BWD)
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
     for r in rows:
-        assert r["shared"] <= R.MAX_SHARED_SM90, r
-        assert r["spill_bytes"] <= HOPPER_BWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0), r
-        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"], r
+        _check_row(r, HOPPER_BWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
         assert r["atomics"] == 0, r
-        assert r["num_warps"] == 12, r
 
 
 def test_hopper_dq_draft_compiles_for_sm90a():
     """The Gluon dQ kernel (hopper/bwd_dq.py; measured on the H200 at 64/128, not dispatched
     yet): head dims 64/128 (64-key tiles) and 256 (32-key tiles), plain / causal /
-    window+softcap, within shared memory, no spills (24 B at 256 with window+softcap)."""
-    problem = R.toolchain_problem()
-    if problem:
-        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
-    try:
-        from triflash.kernels.hopper import compile_check
-    except ImportError as e:
-        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
-    rows = compile_check.run_subprocess(dq=True)
+    window+softcap; no spills (24 B at 256 with window+softcap)."""
+    rows = _compiled("dq")
     assert {r["headdim"] for r in rows} == {64, 128, 256}
     for r in rows:
-        assert r["shared"] <= R.MAX_SHARED_SM90, r
-        assert r["spill_bytes"] <= (32 if (r["headdim"], r["feature"]) == (256, "window-softcap") else 0), r
-        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"] and r["atomics"] == 0, r
+        _check_row(r, 32 if (r["headdim"], r["feature"]) == (256, "window-softcap") else 0)
+        assert r["atomics"] == 0, r
 
 
 def test_hopper_bwd256_draft_compiles_for_sm90a():
     """The head-dim-256 dK/dV draft (hopper/bwd256.py, never run on a GPU yet): plain /
-    causal / window+softcap compile for sm_90a, shared memory within the limit (it is
-    sized to ~225 KB), no spills, no atomics."""
-    problem = R.toolchain_problem()
-    if problem:
-        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
-    try:
-        from triflash.kernels.hopper import compile_check
-    except ImportError as e:
-        pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
-    rows = compile_check.run_subprocess(bwd256=True)
+    causal / window+softcap, shared memory within the limit (it is sized to ~225 KB), no
+    spills, no atomics."""
+    rows = _compiled("bwd256")
     assert len(rows) == 3
     for r in rows:
-        assert r["shared"] <= R.MAX_SHARED_SM90, r
-        assert r["spill_bytes"] == 0, r
-        assert r["setmaxnreg"] and r["has_wgmma"] and r["has_tma"] and r["atomics"] == 0, r
+        _check_row(r)
+        assert r["atomics"] == 0, r

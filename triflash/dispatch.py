@@ -73,38 +73,32 @@ def force_backend(name: str):
         _forced_backend = previous
 
 
-def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
-    """'' when the Gluon forward serves this case, else why not."""
-    if hopper_fwd is None:
+def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target) -> str:
+    """'' when the Gluon kernels of ``module`` (hopper.fwd or hopper.bwd) serve this case,
+    else why not."""
+    if module is None:
         return "triton.experimental.gluon is not available"
     if (target or target_of(q.device)) != "sm90":
         return "not an sm90 GPU"
-    if k.shape[1] == 0:
-        return "seqlen_k == 0"
     if cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None:
         return "varlen / seqused"
     d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or d not in hopper_fwd.HEAD_DIMS:
-        return f"head dims ({d}, {dv}) (needs equal, one of {hopper_fwd.HEAD_DIMS})"
+    if d != dv or d not in module.HEAD_DIMS:
+        return f"head dims ({d}, {dv}) (needs equal, one of {module.HEAD_DIMS})"
     if not tma_compatible(q, k, v):
         return "strides or base pointers not 16-byte aligned (TMA)"
     return ""
+
+
+def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
+    """'' when the Gluon forward serves this case, else why not."""
+    why_not = _hopper_supports(hopper_fwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+    return why_not or ("seqlen_k == 0" if k.shape[1] == 0 else "")
 
 
 def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
     """'' when the Gluon backward serves this case, else why not."""
-    if hopper_bwd is None:
-        return "triton.experimental.gluon is not available"
-    if (target or target_of(q.device)) != "sm90":
-        return "not an sm90 GPU"
-    if cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None:
-        return "varlen / seqused"
-    d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or d not in hopper_bwd.HEAD_DIMS:
-        return f"head dims ({d}, {dv}) (needs equal, one of {hopper_bwd.HEAD_DIMS})"
-    if not tma_compatible(q, k, v):
-        return "strides or base pointers not 16-byte aligned (TMA)"
-    return ""
+    return _hopper_supports(hopper_bwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
 
 
 def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):

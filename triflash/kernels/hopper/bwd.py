@@ -52,8 +52,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import m_block_range, tanh
-from .common import _acc_layout, _tma_view, descriptor, tma_compatible
+from .. import configs, portable
+from . import bwd_dq
+from ..common import tanh
+from .common import _acc_layout, _key_tile, _tma_view, descriptor, stat_descriptor, tma_compatible
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -65,14 +67,22 @@ DRAFT_HEAD_DIMS = (256,)   # bwd() serves it when called directly (probes): hopp
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
                 q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                 batch, head_kv, group, key0, m_min, m_max,
-                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False):
+    """The TMA producer of the dK/dV kernels. K and V: ``NUM_CONSUMERS`` tiles, one per
+    consumer's keys, or with ``SPLIT_D`` (hopper/bwd256.py) the two column halves of one key
+    block's tile (the descriptors' boxes are then half the head dim wide, and every Q / dO
+    ring slot is two consecutive halves too)."""
     KR: gl.constexpr = k_desc.block_type.shape[1]
     BM: gl.constexpr = q_desc.block_type.shape[1]
+    W: gl.constexpr = q_desc.block_type.shape[3]
+    PIECES: gl.constexpr = 2 if SPLIT_D else 1  # smem tiles per Q / dO ring slot
+    KEY_STEP: gl.constexpr = 0 if SPLIT_D else KR
+    COL_STEP: gl.constexpr = W if SPLIT_D else 0
     mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [batch, key0 + c * KR, head_kv, 0], kv_bar,
+        tma.async_copy_global_to_shared(k_desc, [batch, key0 + c * KEY_STEP, head_kv, c * COL_STEP], kv_bar,
                                         _tma_view(k_bufs.index(c), k_desc))
-        tma.async_copy_global_to_shared(v_desc, [batch, key0 + c * KR, head_kv, 0], kv_bar,
+        tma.async_copy_global_to_shared(v_desc, [batch, key0 + c * KEY_STEP, head_kv, c * COL_STEP], kv_bar,
                                         _tma_view(v_bufs.index(c), v_desc))
     count = m_max - m_min
     # Same order as the consumers: query heads of the group outer, query blocks ascending.
@@ -86,14 +96,16 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
         # through the ring does not wait.
         mbarrier.wait(free.index(stage), phase ^ 1)
         # Q with its rows' LSE, dO with its rows' Delta: one barrier each.
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, m * BM, head, 0], q_ready.index(stage),
-                                        _tma_view(q_ring.index(stage), q_desc))
+        mbarrier.expect(q_ready.index(stage), PIECES * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        for j in gl.static_range(PIECES):
+            tma.async_copy_global_to_shared(q_desc, [batch, m * BM, head, j * W], q_ready.index(stage),
+                                            _tma_view(q_ring.index(PIECES * stage + j), q_desc))
         tma.async_copy_global_to_shared(lse_desc, [batch, head, m * BM], q_ready.index(stage),
                                         _tma_view(lse_ring.index(stage), lse_desc))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [batch, m * BM, head, 0], do_ready.index(stage),
-                                        _tma_view(do_ring.index(stage), do_desc))
+        mbarrier.expect(do_ready.index(stage), PIECES * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        for j in gl.static_range(PIECES):
+            tma.async_copy_global_to_shared(do_desc, [batch, m * BM, head, j * W], do_ready.index(stage),
+                                            _tma_view(do_ring.index(PIECES * stage + j), do_desc))
         tma.async_copy_global_to_shared(delta_desc, [batch, head, m * BM], do_ready.index(stage),
                                         _tma_view(delta_ring.index(stage), delta_desc))
 
@@ -270,14 +282,9 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
     gl.static_assert(D == DV, "headdim == headdim_v")
     BLOCK_N: gl.constexpr = KR * NUM_CONSUMERS
-
-    n_block = gl.program_id(0)
-    head_kv = gl.program_id(1)
-    batch = gl.program_id(2)
-    group = nheads // nheads_kv
-    m_min, m_full_min, m_full_max, m_max = m_block_range(
-        n_block, seqlen_q, seqlen_k, window_left, window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    key0 = n_block * BLOCK_N
+    batch, head_kv, group, key0, m_min, m_full_min, m_full_max, m_max = _key_tile(
+        nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right, BM, BLOCK_N,
+        HAS_LEFT, HAS_RIGHT)
 
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, DV], dtype)
@@ -369,13 +376,6 @@ def supports(dout, q, k, v, out, draft=False) -> str:
     return ""
 
 
-def stat_descriptor(x):
-    """Rank-3 TMA descriptor over a padded (batch, heads, seqlen_pad) fp32 buffer, box (1, 1, 64)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    block = [1, 1, BLOCK_M]
-    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, gl.float32))
-
-
 def _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq):
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -399,7 +399,6 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
 
     dQ comes from the portable ``bwd_dq_kernel`` unless ``cfg.atomic_dq`` and not
     ``deterministic`` (then fp32 atomics inside this kernel, dq = dq_accum * scale)."""
-    from .. import configs, portable
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     why_not = supports(dout, q, k, v, out, draft=True)
@@ -433,7 +432,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     atomic_dq = cfg.atomic_dq and not deterministic
     grid = (triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
     if d in DRAFT_HEAD_DIMS:  # head dim 256: D split over the warpgroups, dQ separate
-        from . import bwd256
+        from . import bwd256  # imports this module's loader: not at the top
         bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages)
         atomic_dq = False
     elif atomic_dq:
@@ -447,7 +446,6 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
                                               params, cfg, False), num_warps=4)
     if not atomic_dq:
         if cfg.gluon_dq:
-            from . import bwd_dq
             dq_out = dq if tma_compatible(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
             bwd_dq.launch(q, k, v, dout, dq_out, stat, delta, params, cfg.dq_block_n, cfg.dq_stages)
             if dq_out is not dq:

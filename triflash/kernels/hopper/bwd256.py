@@ -17,9 +17,10 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
 * WG1: dP'^T = V dO^T - Delta (two wgmmas, Delta as the initial accumulator) -> ``dp_buf``;
   dV[:, 128:] += P^T dO[:, 128:] (P^T from ``pt_buf``); dK[:, 128:] += dS^T Q[:, 128:]
   (dS^T from ``ds_buf``).
-* loader (1 warp): K and V halves once; Q / dO halves + lse_log2 / Delta per query block
-  into ``STAGES``-deep rings (``q_ready``, ``do_ready``, ``free`` barriers as in bwd.py).
-  Every 256-wide tile is held as two 128-column halves, so no shared tile is ever sliced.
+* loader (1 warp): ``bwd._bwd_loader`` with ``SPLIT_D``: K and V halves once; Q / dO halves
+  + lse_log2 / Delta per query block into ``STAGES``-deep rings (``q_ready``, ``do_ready``,
+  ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
+  no shared tile is ever sliced.
 
 Exchange barriers (one completion per query block; a writer waits for the reader's
 previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
@@ -33,48 +34,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import m_block_range, tanh
-from .common import _acc_layout, _tma_view, descriptor
+from ..common import tanh
+from .bwd import _bwd_loader
+from .common import _acc_layout, _key_tile, descriptor, stat_descriptor
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
 HALF = 128     # head-dim columns per warpgroup
-
-
-@gluon.jit
-def _load_halves(desc, coord_b, coord_s, coord_h, bar, lo, hi):
-    H: gl.constexpr = desc.block_type.shape[3]
-    tma.async_copy_global_to_shared(desc, [coord_b, coord_s, coord_h, 0], bar, _tma_view(lo, desc))
-    tma.async_copy_global_to_shared(desc, [coord_b, coord_s, coord_h, H], bar, _tma_view(hi, desc))
-
-
-@gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
-            q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-            batch, head_kv, group, key0, m_min, m_max, STAGES: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[1]
-    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    _load_halves(k_desc, batch, key0, head_kv, kv_bar, k_bufs.index(0), k_bufs.index(1))
-    _load_halves(v_desc, batch, key0, head_kv, kv_bar, v_bufs.index(0), v_bufs.index(1))
-    count = m_max - m_min
-    for it in range(group * count):
-        g = it // count
-        m = m_min + (it - g * count)
-        head = head_kv * group + g
-        stage = it % STAGES
-        mbarrier.wait(free.index(stage), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(stage), 2 * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        _load_halves(q_desc, batch, m * BM, head, q_ready.index(stage),
-                     q_ring.index(2 * stage), q_ring.index(2 * stage + 1))
-        tma.async_copy_global_to_shared(lse_desc, [batch, head, m * BM], q_ready.index(stage),
-                                        _tma_view(lse_ring.index(stage), lse_desc))
-        mbarrier.expect(do_ready.index(stage), 2 * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        _load_halves(do_desc, batch, m * BM, head, do_ready.index(stage),
-                     do_ring.index(2 * stage), do_ring.index(2 * stage + 1))
-        tma.async_copy_global_to_shared(delta_desc, [batch, head, m * BM], do_ready.index(stage),
-                                        _tma_view(delta_ring.index(stage), delta_desc))
 
 
 @gluon.jit
@@ -237,13 +205,9 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
 
-    n_block = gl.program_id(0)
-    head_kv = gl.program_id(1)
-    batch = gl.program_id(2)
-    group = nheads // nheads_kv
-    m_min, m_full_min, m_full_max, m_max = m_block_range(
-        n_block, seqlen_q, seqlen_k, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT)
-    key0 = n_block * KN
+    batch, head_kv, group, key0, m_min, m_full_min, m_full_max, m_max = _key_tile(
+        nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right, BM, KN,
+        HAS_LEFT, HAS_RIGHT)
 
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, H], dtype)
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, BM], dtype)
@@ -289,9 +253,9 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        batch, head_kv, group, key0, seqlen_k, m_min, m_max, softmax_scale, STAGES)),
-         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
-                    q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                    batch, head_kv, group, key0, m_min, m_max, STAGES))],
+         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
+                        kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
+                        batch, head_kv, group, key0, m_min, m_max, 2, STAGES, True))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -299,7 +263,6 @@ def kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages=2, loader_reg
                 consumer_regs=240):
     """(grid, args) of ``hopper_bwd256_kernel``; ``stat`` / ``delta`` are the padded buffers of
     ``hopper.bwd.bwd_stats_kernel``."""
-    from .bwd import stat_descriptor
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     assert d == 2 * HALF and v.shape[-1] == d, "head dim 256 only"

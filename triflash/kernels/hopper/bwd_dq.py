@@ -28,26 +28,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import n_block_range, tanh, visible
-from .common import _acc_layout, _tma_view, descriptor
+from ..common import tanh, visible
+from .common import _acc_layout, _query_tile, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64
-
-
-@gluon.jit
-def _dq_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """CTA -> (batch, head, head_kv, first row, key block range); the longest query blocks
-    (the last ones under causal) first."""
-    bh = tile // num_m_blocks
-    m_block = num_m_blocks - 1 - (tile - bh * num_m_blocks)
-    batch = bh // nheads
-    head = bh - batch * nheads
-    head_kv = head // (nheads // nheads_kv)
-    n_min, n_full_min, n_full_max, n_max = n_block_range(
-        m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    return batch, head, head_kv, m_block * BLOCK_M, n_min, n_full_min, n_full_max, n_max
 
 
 @gluon.jit
@@ -57,7 +41,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _dq_tile(
+    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
         gl.program_id(0), num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left,
         window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
@@ -136,7 +120,7 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, dtype)
     o_layout: gl.constexpr = _acc_layout(D, dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _dq_tile(
+    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
         gl.program_id(0), num_m_blocks, nheads, nheads_kv, len_q, len_k, window_left,
         window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     row_start = row0 + CID * BM

@@ -6,6 +6,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..common import m_block_range, n_block_range
+
 
 @gluon.constexpr_function
 def _acc_layout(n, dtype):
@@ -18,6 +20,39 @@ def _acc_layout(n, dtype):
 def _tma_view(buf, desc):
     """A 2D [rows, dim] smem tile seen as the rank-4 (1, rows, 1, dim) box of ``desc``."""
     return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Work tile of a kernel that walks key blocks for a query block (forward, dQ) ->
+    (batch, head, head_kv, first row, key block range). Tiles of one head are adjacent
+    (its K/V stay in L2) and go longest first (the last query block under causal)."""
+    bh = tile // num_m_blocks
+    m_block = num_m_blocks - 1 - (tile - bh * num_m_blocks)
+    batch = bh // nheads
+    head = bh - batch * nheads
+    head_kv = head // (nheads // nheads_kv)
+    n_min, n_full_min, n_full_max, n_max = n_block_range(
+        m_block, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    return batch, head, head_kv, m_block * BLOCK_M, n_min, n_full_min, n_full_max, n_max
+
+
+@gluon.jit
+def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """This CTA's key block of a dK/dV kernel (grid: key blocks, KV heads, batch) ->
+    (batch, head_kv, GQA group size, first key, query block range)."""
+    n_block = gl.program_id(0)
+    head_kv = gl.program_id(1)
+    batch = gl.program_id(2)
+    group = nheads // nheads_kv
+    m_min, m_full_min, m_full_max, m_max = m_block_range(
+        n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    return batch, head_kv, group, n_block * BLOCK_N, m_min, m_full_min, m_full_max, m_max
 
 
 def _gl_dtype(dtype):
@@ -36,6 +71,14 @@ def descriptor(x, rows, cols=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     cols = x.shape[-1] if cols is None else cols
     return TensorDescriptor.from_tensor(x, [1, rows, 1, cols], _box_layout(rows, cols, x.dtype))
+
+
+def stat_descriptor(x, rows=64):
+    """Rank-3 TMA descriptor over a padded (batch, heads, seqlen_pad) fp32 buffer of per-row
+    statistics (lse_log2, Delta), box (1, 1, rows)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    block = [1, 1, rows]
+    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, gl.float32))
 
 
 def tma_compatible(*tensors) -> bool:

@@ -149,23 +149,29 @@ def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
 
 
 def code_of(ptx: str) -> str:
-    """The instructions of a PTX module without debug sections and debug labels: two kernels
+    """The instructions of a PTX module without debug sections, labels and source-file
+    lines (moving a helper to another file changes only those): two kernels
     whose ``code_of`` is equal compile to the same program (how a refactor of a kernel that
     cannot run here is checked against the version measured on the GPU)."""
     return "\n".join(line for line in ptx.split(".section")[0].splitlines()
-                     if "$L__tmp" not in line and not line.lstrip().startswith(".loc"))
+                     if "$L__tmp" not in line and not line.lstrip().startswith((".loc", ".file")))
 
 
-def run_subprocess(timeout=900, bwd=False, dq=False, bwd256=False) -> list:
-    """``all_fwd()`` (``all_bwd()`` with bwd=True) in a fresh interpreter whose environment
-    lacks TRITON_INTERPRET."""
+PARTS = ("fwd", "bwd", "dq", "bwd256")
+
+
+def run_subprocess(part="fwd", timeout=900) -> list:
+    """The rows of one ``part`` (``PARTS``: the forward, the dispatched dK/dV kernel, the
+    Gluon dQ draft, the head-dim-256 draft) compiled in a fresh interpreter whose
+    environment lacks TRITON_INTERPRET."""
+    if part not in PARTS:
+        raise ValueError(f"part={part!r} is not one of {PARTS}")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    res = subprocess.run([sys.executable, "-m", "triflash.kernels.hopper.compile_check", "--json"]
-                         + (["--bwd"] if bwd else []) + (["--dq"] if dq else [])
-                         + (["--bwd256"] if bwd256 else []),
+    flags = [] if part == "fwd" else [f"--{part}"]
+    res = subprocess.run([sys.executable, "-m", "triflash.kernels.hopper.compile_check", "--json"] + flags,
                          env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"sm_90a compile failed ({res.returncode}):\n{res.stderr[-4000:]}")

@@ -29,28 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import n_block_range, scores, visible
-from .common import _acc_layout, _tma_view, descriptor
+from ..common import scores, visible
+from .common import _acc_layout, _query_tile, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
-
-
-@gluon.jit
-def _tile_coords(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
-                 window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Work tile -> (batch, head, head_kv, first row, key block range). Tiles of one head
-    are adjacent (its K/V stay in L2) and go longest first (the last query block under
-    causal)."""
-    bh = tile // num_m_blocks
-    m_block = num_m_blocks - 1 - (tile - bh * num_m_blocks)
-    batch = bh // nheads
-    head = bh - batch * nheads
-    head_kv = head // (nheads // nheads_kv)
-    n_min, n_full_min, n_full_max, n_max = n_block_range(
-        m_block, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    return batch, head, head_kv, m_block * BLOCK_M, n_min, n_full_min, n_full_max, n_max
 
 
 @gluon.jit
@@ -64,7 +46,7 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
     kv_base = 0
     local = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _tile_coords(
+        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
             tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right,
             BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         # The Q tiles double as the O staging of the previous tile: wait for its stores.
@@ -193,7 +175,7 @@ def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_fr
     turn = 0
     local = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _tile_coords(
+        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
             tile, num_m_blocks, nheads, nheads_kv, len_q, len_k, window_left, window_right,
             BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         row_start = row0 + CID * BM
