@@ -2,14 +2,24 @@
 # One device call of diagnostics, each part under its own timeout, results under OUTDIR:
 # GPU tests, the dQ-tile fault search (scripts/fault_repro.py), the backward's per-kernel
 # time (scripts/bwd_breakdown.py), Hopper backward tile variants (scripts/hopper_bwd_probe.py).
-# Usage: [PARTS="tests fault breakdown probe"] bash scripts/diag_run.sh COMMIT OUTDIR
+# tier: the Hopper-tier GPU tests only; check / speed: scripts/hopper_bwd_probe.py with
+# CHECK_ARGS / SPEED_ARGS. Parts in BG_PARTS run first, concurrently (compiling is CPU-bound).
+# Usage: [BG_PARTS="tier check"] [PARTS="tests fault breakdown probe"] bash scripts/diag_run.sh COMMIT OUTDIR
 set -u
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-diag-out}"; mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS="${PARTS:-tests fault breakdown probe}"
-for part in $PARTS; do
+run_part() {
+  local part=$1
   echo "== $part $(date -u +%T)"
   case $part in
+    tier)  timeout "${TIER_TIMEOUT:-280}" python3 -m pytest tests/test_hopper_tier.py -n "${TIER_WORKERS:-6}" \
+             -p no:cacheprovider -p no:logging --tb=short -v > "$OUT_DIR/tier-tests.txt" 2>&1
+           echo "== tier done $(date -u +%T)"; tail -n 12 "$OUT_DIR/tier-tests.txt" ;;
+    check) timeout "${CHECK_TIMEOUT:-200}" python3 scripts/hopper_bwd_probe.py check ${CHECK_ARGS:-} --out "$OUT_DIR" 2>&1 \
+             | tee "$OUT_DIR/check.txt"; echo "== check done $(date -u +%T)" ;;
+    speed) timeout "${SPEED_TIMEOUT:-150}" python3 scripts/hopper_bwd_probe.py speed ${SPEED_ARGS:-} --out "$OUT_DIR" 2>&1 \
+             | tee -a "$OUT_DIR/speed.txt" ;;
     tests) PARTS=tests TEST_TIMEOUT="${TEST_TIMEOUT:-280}" bash scripts/gpu_run.sh "$COMMIT" "$OUT_DIR" > /dev/null 2>&1
            tail -n 15 "$OUT_DIR/gpu-tests.txt" ;;
     fault) { which compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer; } 2>&1 | head -2
@@ -22,5 +32,8 @@ for part in $PARTS; do
              timeout 90 python3 scripts/hopper_bwd_probe.py speed --impls hopper --config "$c" --out "$OUT_DIR" 2>&1 | tail -n 4
            done ;;
   esac
-done
+}
+for part in ${BG_PARTS:-}; do run_part "$part" & done
+wait
+for part in $PARTS; do run_part "$part"; done
 echo "== end $(date -u +%T)"

@@ -63,6 +63,7 @@ def check(args):
                 name = (f"d{d} {str(dtype)[6:]} b{b} sq{sq} sk{sk} h{h}/{hk} causal={causal} "
                         f"win={window} cap={softcap} det={args.deterministic}")
                 row = dict(case=name)
+                t_case = time.time()
                 try:
                     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
                     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -85,7 +86,9 @@ def check(args):
                     status = f"FAIL {type(e).__name__}: {str(e)[:300]}"
                     row["traceback"] = traceback.format_exc()[-2000:]
                 row["status"] = status
-                print(f"{status[:4]:4} {name} {status if status != 'ok' else ''}", flush=True)
+                row["seconds"] = round(time.time() - t_case, 1)
+                print(f"{status[:4]:4} {name} ({row['seconds']} s) {status if status != 'ok' else ''}",
+                      flush=True)
                 results.append(row)
     n_ok = sum(r["status"] == "ok" for r in results)
     print(f"{n_ok}/{len(results)} ok", flush=True)
@@ -153,7 +156,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     res = globals()[args.part](args)
-    suffix = ("-det" if args.deterministic else "") + (
+    suffix = ("-d" + "-".join(map(str, args.headdims)) if args.headdims != [64, 128] else "") + (
+        "-det" if args.deterministic else "") + (
         "-" + args.config.replace("=", "").replace(",", "-") if args.config else "")
     with open(os.path.join(args.out, f"bwd-probe-{args.part}{suffix}.json"), "w") as f:
         json.dump(dict(part=args.part, gpu=torch.cuda.get_device_name(), seconds=time.time() - t0,

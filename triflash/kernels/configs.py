@@ -146,8 +146,8 @@ SM90_HOPPER_FWD = {
 # (bwd-breakdown-18c10c4.json): dK/dV 2.90 ms (4 matmuls, ~760 TFLOPS), dQ kernel 3.02 ms
 # (3 matmuls, ~550): the dQ kernel is the next target.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4),
-    128: HopperBwdConfig(stages=4, dq_split=2),
+    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128),
+    128: HopperBwdConfig(stages=4, dq_split=2, gluon_dq=True),
 }
 
 # Drafts the dispatch does not pick yet (hopper.bwd.bwd serves them when called directly,
