@@ -39,7 +39,7 @@ def _params(q, k, causal, window, softcap):
 def _cfg(args, d):
     import dataclasses
     from triflash.kernels import configs
-    cfg = configs.SM90_HOPPER_BWD.get(d) or configs.SM90_HOPPER_BWD_DRAFT[d]
+    cfg = configs.SM90_HOPPER_BWD[d]
     for item in filter(None, (args.config or "").split(",")):
         key, _, val = item.partition("=")
         cfg = dataclasses.replace(cfg, **{key: type(getattr(cfg, key))(int(val))})
@@ -151,7 +151,7 @@ def main():
     ap.add_argument("--impls", default="hopper,portable,cudnn")
     ap.add_argument("--quick", action="store_true", help="check: bf16 and 8 of the cases")
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128],
-                    help="256: the draft kernels of configs.SM90_HOPPER_BWD_DRAFT")
+                    help="head dims (64, 128, 256)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

@@ -1,6 +1,5 @@
-"""Hopper (Gluon) tier, no GPU needed: the forward and the backward's dK/dV kernel (every
-dispatchable tile), the drafts not dispatched yet (Gluon dQ, head-dim-256 dK/dV), and the
-smoke kernel ``triflash.kernels.hopper.smoke``
+"""Hopper (Gluon) tier, no GPU needed: the forward and the backward's dK/dV and dQ kernels
+(every dispatchable tile), and the smoke kernel ``triflash.kernels.hopper.smoke``
 (TMA loads of a Q and a K tile into NVMMA-swizzled shared memory on an mbarrier, one
 ``warpgroup_mma`` S = Q K^T) compiles for sm_90a, its PTX has wgmma and TMA instructions,
 and its shared memory fits the per-block opt-in limit of H100/H200.
@@ -77,7 +76,14 @@ HOPPER_BWD_SPILL_BUDGET = {
     # window bounds + the softcap's tanh and its derivative next to the 64 x 128 fp32 dK and
     # dV accumulators: 180 B measured (bf16); the plain and causal kernels spill nothing.
     ("window-softcap", 128): 256,
+    # the same at 256 (hopper/bwd256.py), plus the next block's S^T tile in flight
+    # (pipeline=True): 68 B measured (bf16).
+    ("window-softcap", 256): 128,
 }
+
+# (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
+# dQ accumulator leaves little room for the window bounds and tanh temporaries (24 B).
+HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32}
 
 
 def test_hopper_forward_compiles_for_sm90a():
@@ -90,34 +96,26 @@ def test_hopper_forward_compiles_for_sm90a():
 
 
 def test_hopper_backward_compiles_for_sm90a():
-    """Every tile of configs.SM90_HOPPER_BWD, fp16 and bf16, plain / causal / window+softcap:
-    the dK/dV kernel as dispatched, without atomics."""
+    """The dK/dV kernel of every tile of configs.SM90_HOPPER_BWD (hopper/bwd256.py's at head
+    dim 256), fp16 and bf16, plain / causal / window+softcap, as dispatched: no atomics."""
     from triflash.kernels import configs
     rows = _compiled("bwd")
     assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_BWD)
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
+    assert {r["kernel"] for r in rows if r["headdim"] == 256} == {"hopper_bwd256"}
     for r in rows:
         _check_row(r, HOPPER_BWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
         assert r["atomics"] == 0, r
 
 
-def test_hopper_dq_draft_compiles_for_sm90a():
-    """The Gluon dQ kernel (hopper/bwd_dq.py; measured on the H200 at 64/128, not dispatched
-    yet): head dims 64/128 (64-key tiles) and 256 (32-key tiles), plain / causal /
-    window+softcap; no spills (24 B at 256 with window+softcap)."""
+def test_hopper_dq_compiles_for_sm90a():
+    """The Gluon dQ kernel (hopper/bwd_dq.py) at every head dim whose tile uses it, with that
+    tile's key block and ring depth, fp16 and bf16, plain / causal / window+softcap."""
+    from triflash.kernels import configs
     rows = _compiled("dq")
-    assert {r["headdim"] for r in rows} == {64, 128, 256}
+    assert {r["headdim"] for r in rows} == {d for d, c in configs.SM90_HOPPER_BWD.items() if c.gluon_dq}
     for r in rows:
-        _check_row(r, 32 if (r["headdim"], r["feature"]) == (256, "window-softcap") else 0)
-        assert r["atomics"] == 0, r
-
-
-def test_hopper_bwd256_draft_compiles_for_sm90a():
-    """The head-dim-256 dK/dV draft (hopper/bwd256.py, never run on a GPU yet): plain /
-    causal / window+softcap, shared memory within the limit (it is sized to ~225 KB), no
-    spills, no atomics."""
-    rows = _compiled("bwd256")
-    assert len(rows) == 3
-    for r in rows:
-        _check_row(r)
+        c = configs.SM90_HOPPER_BWD[r["headdim"]]
+        assert (r["block_n"], r["stages"]) == (c.dq_block_n, c.dq_stages), r
+        _check_row(r, HOPPER_DQ_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
         assert r["atomics"] == 0, r

@@ -72,6 +72,11 @@ class HopperBwdConfig:
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
+    # Head dim 256 (hopper/bwd256.py) only. pipeline: each consumer issues the next query
+    # block's first wgmma (S^T / dP^T) before it waits for this block's last ones;
+    # dp_swizzle: the fp32 dP^T exchange tile is XOR-swizzled (fewer bank conflicts).
+    pipeline: bool = False
+    dp_swizzle: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -148,14 +153,12 @@ SM90_HOPPER_FWD = {
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128),
     128: HopperBwdConfig(stages=4, dq_split=2, gluon_dq=True),
-}
-
-# Drafts the dispatch does not pick yet (hopper.bwd.bwd serves them when called directly,
-# e.g. by scripts/hopper_bwd_probe.py --headdims 256): head dim 256, dK/dV with the head-dim
-# axis split over the two consumer warpgroups (hopper/bwd256.py: 230928 B shared, no spills)
-# and the Gluon dQ kernel with 32-key tiles (64-key tiles spill 2.8 KB at 256).
-SM90_HOPPER_BWD_DRAFT = {
-    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2),
+    # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
+    # consumer warpgroups: 230928 B shared) + the Gluon dQ kernel with 32-key tiles (64-key
+    # tiles spill 2.8 KB). First H200 run (a3c9c4e, pipeline off): 395.9 / 375.6 TFLOPS
+    # (cuDNN 363.5 / 381.0, portable 246.6 / 241.8), 8/8 gradient checks
+    # (probes/hopper-bwd-speed-gluondq-256-a3c9c4e.json, hopper-bwd256-check-a3c9c4e.json).
+    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, pipeline=True),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -59,8 +59,8 @@ from .common import _acc_layout, _key_tile, _tma_view, descriptor, stat_descript
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
-HEAD_DIMS = (64, 128)      # dispatched
-DRAFT_HEAD_DIMS = (256,)   # bwd() serves it when called directly (probes): hopper/bwd256.py
+HEAD_DIMS = (64, 128, 256)  # dispatched (= headdim_v)
+SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split over the warpgroups)
 
 
 @gluon.jit
@@ -362,13 +362,11 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
 
 # ---- host side --------------------------------------------------------------------------
 
-def supports(dout, q, k, v, out, draft=False) -> str:
-    """'' when this backward serves the (dense) case, else why not (``draft``: the head dims
-    of kernels not yet dispatched count too)."""
+def supports(dout, q, k, v, out) -> str:
+    """'' when this backward serves the (dense) case, else why not."""
     d, dv = q.shape[-1], v.shape[-1]
-    dims = HEAD_DIMS + (DRAFT_HEAD_DIMS if draft else ())
-    if d != dv or d not in dims:
-        return f"head dims ({d}, {dv}) (needs equal, one of {dims})"
+    if d != dv or d not in HEAD_DIMS:
+        return f"head dims ({d}, {dv}) (needs equal, one of {HEAD_DIMS})"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype}"
     if not tma_compatible(q, k, v):
@@ -401,12 +399,12 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     ``deterministic`` (then fp32 atomics inside this kernel, dq = dq_accum * scale)."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    why_not = supports(dout, q, k, v, out, draft=True)
+    why_not = supports(dout, q, k, v, out)
     if why_not:
         raise NotImplementedError(f"triflash hopper bwd: {why_not}")
     if nheads % nheads_kv:
         raise ValueError("nheads must be a multiple of nheads_kv")
-    cfg = cfg or configs.SM90_HOPPER_BWD.get(d) or configs.SM90_HOPPER_BWD_DRAFT[d]
+    cfg = cfg or configs.SM90_HOPPER_BWD[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()
     dq = portable.alloc_output(q.shape, q.dtype, q.device) if dq is None else dq
@@ -431,9 +429,10 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
 
     atomic_dq = cfg.atomic_dq and not deterministic
     grid = (triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
-    if d in DRAFT_HEAD_DIMS:  # head dim 256: D split over the warpgroups, dQ separate
+    if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
-        bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages)
+        bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages, cfg.pipeline,
+                      cfg.dp_swizzle)
         atomic_dq = False
     elif atomic_dq:
         dq_accum = torch.zeros((batch, seqlen_q, nheads, d), dtype=torch.float32, device=q.device)

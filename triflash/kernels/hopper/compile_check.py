@@ -84,28 +84,35 @@ def compile_fwd(headdim: int, dtype: str, feature: str) -> dict:
                 block_n=cfg.block_n, stages=cfg.stages, **_compile(H.hopper_fwd_kernel, args))
 
 
-def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False) -> dict:
-    """The dK/dV kernel of ``hopper/bwd.py`` with the tile of ``configs.SM90_HOPPER_BWD``;
-    ``atomic_dq``: the experimental in-kernel dQ (not dispatched)."""
+def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False, cfg=None) -> dict:
+    """The dK/dV kernel the dispatch runs at ``headdim`` with the tile of
+    ``configs.SM90_HOPPER_BWD`` (or ``cfg``): ``hopper/bwd.py``'s, or ``hopper/bwd256.py``'s
+    at head dim 256; ``atomic_dq``: the experimental in-kernel dQ (not dispatched)."""
     import torch
     import triton
 
     from .. import configs
     from . import bwd as B
-    cfg = configs.SM90_HOPPER_BWD[headdim]
+    cfg = cfg or configs.SM90_HOPPER_BWD[headdim]
     q, k, v, p = _problem(headdim, dtype, feature)
     b, s, h = q.shape[0], q.shape[1], q.shape[2]
     pad = triton.cdiv(s, B.BLOCK_M) * B.BLOCK_M
     stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
+    row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq, stages=cfg.stages)
+    if headdim in B.SPLIT_D_HEAD_DIMS:
+        from . import bwd256
+        _, args = bwd256.kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                                     stat, delta, p, cfg.stages, cfg.pipeline, cfg.dp_swizzle)
+        return dict(kernel="hopper_bwd256", pipeline=cfg.pipeline, dp_swizzle=cfg.dp_swizzle, **row,
+                    **_compile(bwd256.hopper_bwd256_kernel, args))
     args = B._kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                           stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
-    return dict(kernel="hopper_bwd", headdim=headdim, dtype=dtype, feature=feature,
-                atomic_dq=atomic_dq, stages=cfg.stages,
-                **_compile(B.hopper_bwd_kernel, args))
+    return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2) -> dict:
-    """The draft Gluon dQ kernel (``hopper/bwd_dq.py``, not dispatched)."""
+    """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
+    ``stages``-deep ring."""
     import torch
     import triton
 
@@ -120,22 +127,6 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
                 block_n=block_n, stages=stages, **_compile(Q.hopper_dq_kernel, args))
 
 
-def compile_bwd256(dtype: str, feature: str, stages: int = 2) -> dict:
-    """The draft head-dim-256 dK/dV kernel (``hopper/bwd256.py``, not dispatched)."""
-    import torch
-    import triton
-
-    from . import bwd256 as K
-    q, k, v, p = _problem(256, dtype, feature)
-    b, s, h = q.shape[0], q.shape[1], q.shape[2]
-    pad = triton.cdiv(s, 64) * 64
-    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
-    _, args = K.kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                            stat, delta, p, stages)
-    return dict(kernel="hopper_bwd256", headdim=256, dtype=dtype, feature=feature, stages=stages,
-                **_compile(K.hopper_bwd256_kernel, args))
-
-
 def all_fwd(dtypes=("bf16", "fp16")):
     from .. import configs
     return [compile_fwd(d, dt, f) for d in sorted(configs.SM90_HOPPER_FWD)
@@ -145,7 +136,15 @@ def all_fwd(dtypes=("bf16", "fp16")):
 def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
     from .. import configs
     return [compile_bwd(d, dt, f, a) for d in sorted(configs.SM90_HOPPER_BWD) for dt in dtypes
-            for f in FEATURES for a in atomic]
+            for f in FEATURES for a in atomic if not (a and d == 256)]
+
+
+def all_dq(dtypes=("bf16", "fp16")):
+    """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it."""
+    from .. import configs
+    return [compile_dq(d, dt, f, c.dq_block_n, c.dq_stages)
+            for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq
+            for dt in dtypes for f in FEATURES]
 
 
 def code_of(ptx: str) -> str:
@@ -157,13 +156,13 @@ def code_of(ptx: str) -> str:
                      if "$L__tmp" not in line and not line.lstrip().startswith((".loc", ".file")))
 
 
-PARTS = ("fwd", "bwd", "dq", "bwd256")
+PARTS = ("fwd", "bwd", "dq")
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:
-    """The rows of one ``part`` (``PARTS``: the forward, the dispatched dK/dV kernel, the
-    Gluon dQ draft, the head-dim-256 draft) compiled in a fresh interpreter whose
-    environment lacks TRITON_INTERPRET."""
+    """The rows of one ``part`` (``PARTS``: the forward, the dispatched dK/dV kernels, the
+    dispatched Gluon dQ kernels) compiled in a fresh interpreter whose environment lacks
+    TRITON_INTERPRET."""
     if part not in PARTS:
         raise ValueError(f"part={part!r} is not one of {PARTS}")
     env = dict(os.environ)
@@ -183,17 +182,13 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--atomic", action="store_true", help="with --bwd: also the experimental atomic-dQ variant")
-    ap.add_argument("--dq", action="store_true", help="the draft Gluon dQ kernel (head dims 64, 128, 256)")
-    ap.add_argument("--bwd256", action="store_true", help="the draft head-dim-256 dK/dV kernel")
+    ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    if a.bwd256:
-        rows = [compile_bwd256("bf16", f) for f in FEATURES]
-    elif a.dq:
-        rows = [compile_dq(d, "bf16", f) for d in (64, 128) for f in FEATURES]
-        rows += [compile_dq(256, "bf16", f, block_n=32, stages=2) for f in FEATURES]
+    if a.dq:
+        rows = all_dq()
     elif a.bwd:
         rows = all_bwd(atomic=(False, True) if a.atomic else (False,))
     else:
