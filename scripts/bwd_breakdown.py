@@ -50,11 +50,13 @@ def breakdown(b, s, h, d, causal, backend, iters=5):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--headdims", type=int, nargs="+", default=[c[3] for c in CASES])
+    ap.add_argument("--backends", nargs="+", default=["auto", "portable"])
     args = ap.parse_args()
     rows = []
-    for (b, s, h, d) in CASES:
+    for (b, s, h, d) in (c for c in CASES if c[3] in args.headdims):
         for causal in (False, True):
-            for backend in ("auto", "portable"):
+            for backend in args.backends:
                 try:
                     r = breakdown(b, s, h, d, causal, backend)
                 except Exception as e:  # keep going, report it

@@ -72,11 +72,9 @@ class HopperBwdConfig:
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
-    # Head dim 256 (hopper/bwd256.py) only. pipeline: each consumer issues the next query
-    # block's first wgmma (S^T / dP^T) before it waits for this block's last ones;
-    # dp_swizzle: the fp32 dP^T exchange tile is XOR-swizzled (fewer bank conflicts).
-    pipeline: bool = False
-    dp_swizzle: bool = False
+    # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
+    # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
+    ds_wg1: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -158,7 +156,7 @@ SM90_HOPPER_BWD = {
     # tiles spill 2.8 KB). First H200 run (a3c9c4e, pipeline off): 395.9 / 375.6 TFLOPS
     # (cuDNN 363.5 / 381.0, portable 246.6 / 241.8), 8/8 gradient checks
     # (probes/hopper-bwd-speed-gluondq-256-a3c9c4e.json, hopper-bwd256-check-a3c9c4e.json).
-    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, pipeline=True),
+    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -431,8 +431,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     grid = (triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
-        bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages, cfg.pipeline,
-                      cfg.dp_swizzle)
+        bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages, cfg.ds_wg1)
         atomic_dq = False
     elif atomic_dq:
         dq_accum = torch.zeros((batch, seqlen_q, nheads, d), dtype=torch.float32, device=q.device)

@@ -52,10 +52,8 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                batch, head_kv, group, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               SOFTCAP: gl.constexpr, PIPE: gl.constexpr):
-    """WG0: S^T, P^T, dS^T; dK and dV columns [0, 128). ``PIPE``: S^T of the next query block
-    is issued before this block's dK wgmma is waited for (the last block recomputes its own:
-    no branch around an async wgmma)."""
+               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr):
+    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -71,12 +69,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
     count = m_max - m_min
-    last = gl.maximum(group * count - 1, 0)
     bounds = (m_min, m_full_min, m_full_max, m_max)
-    s = gl.zeros([KN, BM], gl.float32, s_layout)
-    if PIPE:
-        if group * count > 0:  # (no query block: the loader loads nothing)
-            s = _scores_t(k_bufs, q_ring, q_ready, 0, STAGES, s_layout)
     for g in range(group):
         base = g * count - m_min
         for seg in gl.static_range(3):
@@ -85,9 +78,13 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                 stage = it % STAGES
                 phase = (it // STAGES) & 1
                 x = it & 1  # exchange-barrier phase of this query block
+                mbarrier.wait(q_ready.index(stage), phase)
                 q_lo = q_ring.index(2 * stage)
-                if not PIPE:
-                    s = _scores_t(k_bufs, q_ring, q_ready, it, STAGES, s_layout)
+                s_tok = warpgroup_mma(k_bufs.index(0), q_lo.permute((1, 0)),
+                                      gl.zeros([KN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(k_bufs.index(1), q_ring.index(2 * stage + 1).permute((1, 0)), s_tok,
+                                      is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
                 lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
                 if SOFTCAP:
                     t = tanh(s * qk_scale)
@@ -104,7 +101,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                         ok = ok & (diff >= len_k - len_q - window_left)
                     p = gl.where(ok, p, 0.0)
                 p16 = p.to(dtype)
-                # P^T for WG1's half of dV
+                # P^T for WG1's half of dV (and its dS^T with DS_WG1)
                 mbarrier.wait(pt_free, x ^ 1)
                 pt_buf.store(p16)
                 fence_async_shared()
@@ -112,48 +109,30 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                 mbarrier.wait(do_ready.index(stage), phase)
                 dv_tok = warpgroup_mma(gl.convert_layout(p16, op_layout), do_ring.index(2 * stage), dv,
                                        is_async=True)
-                if SOFTCAP:
-                    p = p * (1.0 - t * t)
-                # dS^T = P^T (dP^T - Delta), dP'^T from WG1
-                mbarrier.wait(dp_ready, x)
-                dp = dp_buf.load(s_layout)
-                mbarrier.arrive(dp_free)
-                ds16 = (p * dp).to(dtype)
-                mbarrier.wait(ds_free, x ^ 1)
-                ds_buf.store(ds16)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready)
-                dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
-                if PIPE:
-                    nxt = gl.minimum(it + 1, last)
-                    nstage = nxt % STAGES
-                    mbarrier.wait(q_ready.index(nstage), (nxt // STAGES) & 1)
-                    s_tok = warpgroup_mma(k_bufs.index(0), q_ring.index(2 * nstage).permute((1, 0)),
-                                          gl.zeros([KN, BM], gl.float32, s_layout), use_acc=False,
-                                          is_async=True)
-                    s_tok = warpgroup_mma(k_bufs.index(1), q_ring.index(2 * nstage + 1).permute((1, 0)),
-                                          s_tok, is_async=True)
-                    dv, dk, s = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, s_tok))
+                if DS_WG1:
+                    # dS^T from WG1, read by both warpgroups' wgmmas
+                    mbarrier.wait(ds_ready, x)
+                    dk_tok = warpgroup_mma(ds_buf, q_lo, dk, is_async=True)
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+                    mbarrier.arrive(ds_free)
                 else:
+                    if SOFTCAP:
+                        p = p * (1.0 - t * t)
+                    # dS^T = P^T (dP^T - Delta), dP'^T from WG1
+                    mbarrier.wait(dp_ready, x)
+                    dp = dp_buf.load(s_layout)
+                    mbarrier.arrive(dp_free)
+                    ds16 = (p * dp).to(dtype)
+                    mbarrier.wait(ds_free, x ^ 1)
+                    ds_buf.store(ds16)
+                    fence_async_shared()
+                    mbarrier.arrive(ds_ready)
+                    dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, batch, head_kv, key0,
                 len_k, 0, o_layout)
     _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, batch, head_kv, key0, len_k, 0, o_layout)
-
-
-@gluon.jit
-def _scores_t(k_bufs, q_ring, q_ready, it, STAGES: gl.constexpr, s_layout: gl.constexpr):
-    """S^T = K Q^T of ring slot ``it`` (two wgmmas over the column halves), waited for."""
-    KN: gl.constexpr = k_bufs.shape[1]
-    BM: gl.constexpr = q_ring.shape[1]
-    stage = it % STAGES
-    mbarrier.wait(q_ready.index(stage), (it // STAGES) & 1)
-    s_tok = warpgroup_mma(k_bufs.index(0), q_ring.index(2 * stage).permute((1, 0)),
-                          gl.zeros([KN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
-    s_tok = warpgroup_mma(k_bufs.index(1), q_ring.index(2 * stage + 1).permute((1, 0)), s_tok,
-                          is_async=True)
-    return warpgroup_mma_wait(0, deps=(s_tok,))
 
 
 @gluon.jit
@@ -176,57 +155,53 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                batch, head_kv, group, key0, len_k, m_min, m_max, softmax_scale,
-               STAGES: gl.constexpr, PIPE: gl.constexpr):
-    """WG1: dP'^T; dK and dV columns [128, 256). ``PIPE``: dP'^T of the next query block is
-    issued right after this block's is handed over, so it runs while WG0 computes P^T."""
+               STAGES: gl.constexpr, DS_WG1: gl.constexpr):
+    """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
+    exchange); dK and dV columns [128, 256)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
     BM: gl.constexpr = q_ring.shape[1]
+    KW: gl.constexpr = 32 // dtype.primitive_bitwidth
     s_layout: gl.constexpr = _acc_layout(BM, dtype)
     o_layout: gl.constexpr = _acc_layout(H, dtype)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
-    total = group * (m_max - m_min)
-    last = gl.maximum(total - 1, 0)
-    dp = gl.zeros([KN, BM], gl.float32, s_layout)
-    if PIPE:
-        if total > 0:
-            dp = _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, 0, STAGES, s_layout, col_layout)
-    for it in range(total):
+    for it in range(group * (m_max - m_min)):
         stage = it % STAGES
         phase = (it // STAGES) & 1
         x = it & 1
         do_hi = do_ring.index(2 * stage + 1)
-        if not PIPE:
-            dp = _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, it, STAGES, s_layout, col_layout)
-        mbarrier.wait(dp_free, x ^ 1)
-        dp_buf.store(dp)
-        fence_async_shared()
-        mbarrier.arrive(dp_ready)
-        if PIPE:
-            nxt = gl.minimum(it + 1, last)
-            nstage = nxt % STAGES
-            mbarrier.wait(do_ready.index(nstage), (nxt // STAGES) & 1)
-            acc = gl.zeros([KN, BM], gl.float32, s_layout) - gl.expand_dims(
-                delta_ring.index(nstage).load(col_layout), 0)
-            dp_tok = warpgroup_mma(v_bufs.index(0), do_ring.index(2 * nstage).permute((1, 0)), acc,
+        dp = _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, it, STAGES, s_layout, col_layout)
+        if DS_WG1:
+            mbarrier.wait(pt_ready, x)
+            dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
+            ds16 = (pt_buf.load(s_layout).to(gl.float32) * dp).to(dtype)
+            mbarrier.wait(ds_free, x ^ 1)
+            ds_buf.store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready)
+            mbarrier.wait(q_ready.index(stage), phase)
+            dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_ring.index(2 * stage + 1), dk,
                                    is_async=True)
-            dp_tok = warpgroup_mma(v_bufs.index(1), do_ring.index(2 * nstage + 1).permute((1, 0)),
-                                   dp_tok, is_async=True)
-        mbarrier.wait(pt_ready, x)
-        dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
-        mbarrier.wait(q_ready.index(stage), phase)
-        mbarrier.wait(ds_ready, x)
-        dk_tok = warpgroup_mma(ds_buf, q_ring.index(2 * stage + 1), dk, is_async=True)
-        if PIPE:
-            dv, dk, dp = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dp_tok))
-        else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-        mbarrier.arrive(pt_free)
-        mbarrier.arrive(ds_free)
+            mbarrier.arrive(pt_free)  # (ds_free: WG0, the only reader of ds_buf)
+        else:
+            mbarrier.wait(dp_free, x ^ 1)
+            dp_buf.store(dp)
+            fence_async_shared()
+            mbarrier.arrive(dp_ready)
+            mbarrier.wait(pt_ready, x)
+            dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
+            mbarrier.wait(q_ready.index(stage), phase)
+            mbarrier.wait(ds_ready, x)
+            dk_tok = warpgroup_mma(ds_buf, q_ring.index(2 * stage + 1), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+            mbarrier.arrive(pt_free)
+            mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, batch, head_kv, key0,
                 len_k, H, o_layout)
@@ -252,7 +227,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          nheads, nheads_kv, seqlen_q, seqlen_k,
                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SOFTCAP: gl.constexpr, PIPE: gl.constexpr, DP_SWIZZLE: gl.constexpr,
+                         SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
@@ -268,11 +243,9 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
 
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, H], dtype)
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, BM], dtype)
-    if DP_SWIZZLE:
-        # rows r and r + 4 of a wgmma accumulator store hit different 32-byte bank groups
-        dp_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0])
-    else:
-        dp_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    # XOR-swizzled so that rows r and r + 4 of a wgmma accumulator store hit different 32-byte
+    # bank groups (unswizzled: 8-way conflicts, 8% slower backward on the H200)
+    dp_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0])
     stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     k_bufs = gl.allocate_shared_memory(dtype, [2, KN, H], half_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2, KN, H], half_layout)
@@ -309,19 +282,19 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                        batch, head_kv, group, key0, seqlen_q, seqlen_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, PIPE)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                       batch, head_kv, group, key0, seqlen_k, m_min, m_max, softmax_scale, STAGES, PIPE)),
+                       batch, head_kv, group, key0, seqlen_k, m_min, m_max, softmax_scale, STAGES, DS_WG1)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         batch, head_kv, group, key0, m_min, m_max, 2, STAGES, True))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages=2, pipeline=False,
-                dp_swizzle=False, loader_regs=24, consumer_regs=240):
+def kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
+                loader_regs=24, consumer_regs=240):
     """(grid, args) of ``hopper_bwd256_kernel``; ``stat`` / ``delta`` are the padded buffers of
     ``hopper.bwd.bwd_stats_kernel``."""
     batch, seqlen_q, nheads, d = q.shape
@@ -334,11 +307,11 @@ def kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages=2, pipeline=F
             nheads, nheads_kv, seqlen_q, seqlen_k,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            pipeline, dp_swizzle, loader_regs, consumer_regs]
+            ds_wg1 and params.softcap == 0.0, loader_regs, consumer_regs]
     return (triton.cdiv(seqlen_k, BLOCK_N), nheads_kv, batch), args
 
 
-def launch(q, k, v, dout, dk, dv, stat, delta, params, stages=2, pipeline=False, dp_swizzle=False):
-    grid, args = kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages, pipeline, dp_swizzle)
+def launch(q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):
+    grid, args = kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1)
     hopper_bwd256_kernel[grid](*args, num_warps=4)
 

@@ -102,8 +102,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     if headdim in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
         _, args = bwd256.kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                                     stat, delta, p, cfg.stages, cfg.pipeline, cfg.dp_swizzle)
-        return dict(kernel="hopper_bwd256", pipeline=cfg.pipeline, dp_swizzle=cfg.dp_swizzle, **row,
+                                     stat, delta, p, cfg.stages, cfg.ds_wg1)
+        return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
     args = B._kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                           stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
