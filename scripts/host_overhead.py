@@ -1,8 +1,14 @@
 """Host (CPU) time per call of triflash's forward and backward on the seed shape, against the
 GPU time of the same calls: when the host time approaches the GPU time, a benchmark that
-times single calls (do_bench) counts launch overhead as kernel time.
+times single calls (do_bench) counts launch overhead as kernel time. Each is measured
+through the public API (eager: an autograd.Function) and through the torch.library op
+(what torch.compile traces), so the two paths' Python cost can be compared.
 
-    python scripts/host_overhead.py [--out DIR]    ->  one JSON line (+ DIR/host-overhead.json)
+    python scripts/host_overhead.py [--out DIR]     on an sm90 GPU
+    python scripts/host_overhead.py --cpu-mock      no GPU: CPU tensors, the sm90 dispatch
+        with every kernel launch stubbed out (the Python side alone; launches not counted)
+
+One JSON line on stdout (+ DIR/host-overhead[-cpu-mock].json).
 """
 import argparse
 import json
@@ -14,39 +20,75 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triflash  # noqa: E402
+from triflash import ops  # noqa: E402
 
 
-def _times(fn, n=20):
+def _mock_sm90():
+    """CPU tensors through the sm90 dispatch, launches replaced by no-ops."""
+    from triflash import dispatch, validation
+    from triflash.kernels.hopper import bwd, bwd256, bwd_dq, fwd
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+    for mod, name in ((fwd, "hopper_fwd_kernel"), (bwd, "hopper_bwd_kernel"),
+                      (bwd, "bwd_stats_kernel"), (bwd_dq, "hopper_dq_kernel"),
+                      (bwd256, "hopper_bwd256_kernel")):
+        setattr(mod, name, _NoLaunch())
+    dispatch.target_of = lambda device: "sm90"
+    validation.check_device = lambda *tensors: None
+
+
+def _time(fn, cuda, n=50, trials=5):
+    """(host ms, per-call ms): best of ``trials`` runs of ``n`` calls."""
     fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    total = (time.perf_counter() - t0) / n
-    return round(host * 1e3, 3), round(total * 1e3, 3)
+    best_host = best_total = float("inf")
+    for _ in range(trials):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) / n
+        if cuda:
+            torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) / n
+        best_host, best_total = min(best_host, host), min(best_total, total)
+    return round(best_host * 1e3, 3), round(best_total * 1e3, 3)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--cpu-mock", action="store_true")
     args = ap.parse_args()
-    b, s, h, d = 1, 8192, 36, 256
+    cuda = not args.cpu_mock
+    if args.cpu_mock:
+        _mock_sm90()
+    device = "cuda" if cuda else "cpu"
+    b, s, h, d = (1, 8192, 36, 256) if cuda else (1, 1024, 8, 256)
     rows = {}
     for causal in (False, True):
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
-        out = triflash.flash_attn_func(q, k, v, causal=causal)
-        dout = torch.randn_like(out)
-        host, total = _times(lambda: triflash.flash_attn_func(q, k, v, causal=causal))
-        rows[f"fwd causal={causal}"] = dict(host_ms=host, per_call_ms=total)
-        host, total = _times(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-        rows[f"bwd causal={causal}"] = dict(host_ms=host, per_call_ms=total)
+        ints, floats = ops.pack_scalars(s, s, d ** -0.5, -1, 0 if causal else -1, 0.0, False)
+        paths = {
+            "api": lambda: triflash.flash_attn_func(q, k, v, causal=causal),
+            "op": lambda: ops.fwd(q, k, v, None, None, None, None, ints, floats)[0],
+        }
+        for path, fwd in paths.items():
+            out = fwd()
+            dout = torch.randn_like(out)
+            rows[f"fwd {path} causal={causal}"] = dict(zip(("host_ms", "per_call_ms"), _time(fwd, cuda)))
+            rows[f"bwd {path} causal={causal}"] = dict(zip(("host_ms", "per_call_ms"), _time(
+                lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), cuda)))
     print(json.dumps(rows), flush=True)
     if args.out:
-        with open(os.path.join(args.out, "host-overhead.json"), "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), shape=[b, s, h, d], rows=rows), f, indent=1)
+        name = "host-overhead-cpu-mock.json" if args.cpu_mock else "host-overhead.json"
+        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu (launches stubbed)",
+                    shape=[b, s, h, d], torch=torch.__version__)
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

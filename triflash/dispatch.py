@@ -9,10 +9,11 @@
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
                  (dense batches, headdim == headdim_v in {64, 128, 256}, TMA-aligned strides)
               otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
-    backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (tile
-                 configs.SM90_HOPPER_BWD) + the portable dQ kernel; no atomics, so
-                 deterministic=True and False are the same bitwise-reproducible path
-                 (dense batches, headdim == headdim_v in {64, 128}, TMA-aligned strides)
+    backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (hopper/bwd.py, or
+                 hopper/bwd256.py at head dim 256) + the Gluon dQ kernel (hopper/bwd_dq.py),
+                 tile configs.SM90_HOPPER_BWD; no atomics, so deterministic=True and False
+                 are the same bitwise-reproducible path
+                 (dense batches, headdim == headdim_v in {64, 128, 256}, TMA-aligned strides)
               otherwise -> portable backward, tile from configs.bwd_config(target, d, dv);
               deterministic=True  -> dK/dV kernel + separate dQ kernel (no atomics)
               deterministic=False -> dK/dV kernel with fp32 atomic dQ, unless the tile

@@ -46,9 +46,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
-    out, lse = ops.fwd(q, k, v, None, None, None, None,
-                       *ops.pack_scalars(q.shape[1], k.shape[1], softmax_scale, left, right,
-                                         softcap, deterministic))
+    out, lse = ops.attention(q, k, v, None, None, None, None,
+                             *ops.pack_scalars(q.shape[1], k.shape[1], softmax_scale, left, right,
+                                               softcap, deterministic))
     return (out, lse) if return_attn_probs else out
 
 
@@ -74,9 +74,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
-    out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                       *ops.pack_scalars(int(max_seqlen_q), int(max_seqlen_k), softmax_scale, left, right,
-                                         softcap, deterministic))
+    out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                             *ops.pack_scalars(int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
+                                               left, right, softcap, deterministic))
     return (out, lse) if return_attn_probs else out
 
 
@@ -112,6 +112,6 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     V.check_qkv(q, k, v, varlen=False)
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
-    out, lse = ops.fwd_qkvpacked(qkv, [num_heads_q, left, right, int(deterministic)],
-                                 [float(softmax_scale), float(softcap)])
+    out, lse = ops.attention_qkvpacked(qkv, [num_heads_q, left, right, int(deterministic)],
+                                       [float(softmax_scale), float(softcap)])
     return (out, lse) if return_attn_probs else out

@@ -8,6 +8,11 @@ both see the same backward. Dense and varlen share the ops: varlen is "cu_seqlen
 ``triflash::fwd_qkvpacked`` / ``bwd_qkvpacked`` take one packed qkv and return one packed
 dqkv: the backward kernels write dq, dk and dv straight into views of it, so the gradient
 of a packed input costs no concatenation.
+
+``attention`` / ``attention_qkvpacked`` are what the public API calls: under torch.compile
+they are the custom ops; in eager mode an ``autograd.Function`` makes the same two dispatch
+calls without torch.library's per-call Python work (~100-200 us per forward + backward on
+the CPU side, which short sequences pay as wall time).
 """
 from typing import List, Optional, Tuple
 
@@ -110,10 +115,25 @@ def _packed_params(q, k, ints, floats) -> AttnParams:
     return _params([q.shape[1], k.shape[1], ints[1], ints[2]], floats)
 
 
-@torch.library.custom_op("triflash::fwd_qkvpacked", mutates_args=())
-def fwd_qkvpacked(qkv: Tensor, ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
+def _fwd_qkvpacked_impl(qkv, ints, floats):
     q, k, v = split_qkv(qkv, ints[0])
     return dispatch.run_fwd(q, k, v, None, None, None, None, _packed_params(q, k, ints, floats))
+
+
+def _bwd_qkvpacked_impl(dout, qkv, out, lse, ints, floats):
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    q, k, v = split_qkv(qkv, ints[0])
+    dqkv = alloc_output(qkv.shape, qkv.dtype, qkv.device)
+    dq, dk, dv = split_qkv(dqkv, ints[0])
+    dispatch.run_bwd(dout, q, k, v, out, lse, None, None, None, None,
+                     _packed_params(q, k, ints, floats), bool(ints[3]), dq=dq, dk=dk, dv=dv)
+    return dqkv
+
+
+@torch.library.custom_op("triflash::fwd_qkvpacked", mutates_args=())
+def fwd_qkvpacked(qkv: Tensor, ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
+    return _fwd_qkvpacked_impl(qkv, ints, floats)
 
 
 @fwd_qkvpacked.register_fake
@@ -126,14 +146,7 @@ def _(qkv, ints, floats):
 def bwd_qkvpacked(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor,
                   ints: List[int], floats: List[float]) -> Tensor:
     """dqkv, shaped like qkv (contiguous); the kernels write into its q/k/v views."""
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    q, k, v = split_qkv(qkv, ints[0])
-    dqkv = alloc_output(qkv.shape, qkv.dtype, qkv.device)
-    dq, dk, dv = split_qkv(dqkv, ints[0])
-    dispatch.run_bwd(dout, q, k, v, out, lse, None, None, None, None,
-                     _packed_params(q, k, ints, floats), bool(ints[3]), dq=dq, dk=dk, dv=dv)
-    return dqkv
+    return _bwd_qkvpacked_impl(dout, qkv, out, lse, ints, floats)
 
 
 @bwd_qkvpacked.register_fake
@@ -154,3 +167,58 @@ def _backward_qkvpacked(ctx, dout, dlse):
 
 
 fwd_qkvpacked.register_autograd(_backward_qkvpacked, setup_context=_setup_context_qkvpacked)
+
+
+# ---- eager fast path ----------------------------------------------------------------------
+
+class _Attention(torch.autograd.Function):
+    """Eager twin of ``fwd`` + its registered autograd: same dispatch calls, same outputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
+        out, lse = dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                    _params(ints, floats))
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        ctx.scalars = (ints, floats)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+        ints, floats = ctx.scalars
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = dispatch.run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                      seqused_q, seqused_k, _params(ints, floats), bool(ints[4]))
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+class _AttentionQKVPacked(torch.autograd.Function):
+    """Eager twin of ``fwd_qkvpacked`` + its registered autograd."""
+
+    @staticmethod
+    def forward(ctx, qkv, ints, floats):
+        out, lse = _fwd_qkvpacked_impl(qkv, ints, floats)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.scalars = (ints, floats)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        qkv, out, lse = ctx.saved_tensors
+        return _bwd_qkvpacked_impl(dout, qkv, out, lse, *ctx.scalars), None, None
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
+    """(out, lse) with autograd: the custom op under torch.compile, else the eager twin."""
+    if torch.compiler.is_compiling():
+        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
+    return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
+
+
+def attention_qkvpacked(qkv, ints, floats):
+    if torch.compiler.is_compiling():
+        return fwd_qkvpacked(qkv, ints, floats)
+    return _AttentionQKVPacked.apply(qkv, ints, floats)

@@ -62,13 +62,9 @@ class HopperBwdConfig:
     atomic_dq: bool = False
     dq_split: int = 1
     # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py) with ``dq_block_n``-key K/V tiles
-    # in ``dq_stages``-deep rings; False: the Triton dQ kernel. Not yet the default: the
-    # H200 probe at 8151f01 passed the 10 gradient checks it reached
-    # (probes/hopper-dq-check-8151f01.txt) and measured the backward at 128 509.6 / 468.6
-    # TFLOPS (non-causal / causal) and at 64 418.3 / 397.1 (426.7 / 401.8 with 128-key
-    # tiles), against 445.2 / 402.7 and 374.9 / 354.2 with the Triton dQ kernel
-    # (probes/hopper-bwd-speed-gluon_dq1*-8151f01.json); it needs the full GPU test suite
-    # before it is switched on.
+    # in ``dq_stages``-deep rings (every dispatched tile since session 4: backward at 128
+    # 509.6 / 468.6 TFLOPS against 445.2 / 402.7 with the Triton dQ kernel, probes
+    # hopper-bwd-speed-gluon_dq1*-8151f01.json); False: the Triton dQ kernel.
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
@@ -135,27 +131,22 @@ SM90_HOPPER_FWD = {
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True),
 }
 
-# Hopper tier backward (Gluon dK/dV kernel + the portable dQ kernel with SM90_BWD's dQ tile),
-# by head dim (= headdim_v). Shared memory (bf16): K, V 2 x 64 x D each, Q + dO rings
-# 2 x stages x 64 x D, lse/Delta rings (hopper/compile_check.py --bwd).
-# Measured on the H200 (bf16, TFLOPS non-causal / causal, 16k tokens at seqlen 8192,
-# benchmarks/results/probes/hopper-bwd-speed-*-{f3942c4,18c10c4}.json), by Q/dO ring depth:
-#   128: 2 stages 433.1 / 391.0, 3: 437.3 / 386.3, 4: 445.2 / 402.7 (portable backward
-#        332.4 / 306.3, cuDNN 520.5 / 487.3)
-#   64:  3 stages 367.3 / 348.7 (another run 368.4 / 354.1), 4: 374.9 / 354.2 (portable
-#        286.7 / 270.0, cuDNN 440.8 / 411.3)
-# The same kernel with per-warpgroup atomic dQ (atomic_dq=True) was slower than the portable
-# backward: 298.4 at 128 (hopper-bwd-speed-5387ddb.json). Per-kernel time at 128
-# (bwd-breakdown-18c10c4.json): dK/dV 2.90 ms (4 matmuls, ~760 TFLOPS), dQ kernel 3.02 ms
-# (3 matmuls, ~550): the dQ kernel is the next target.
+# Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).
+# Shared memory (bf16): K, V 2 x 64 x D each, Q + dO rings 2 x stages x 64 x D, lse/Delta
+# rings (hopper/compile_check.py --bwd / --dq). H200, TFLOPS non-causal / causal at 16k
+# tokens (benchmarks/NOTES.md, commit 4f50b82): 128 497.8 / 458.5 (cuDNN 540.0 / 496.2),
+# 64 411.8 / 395.7 (cuDNN 450.6 / 411.8), seed 256 440.0 / 417.6 (cuDNN 364.5 / 388.1).
+# Tiles measured before (probes/hopper-bwd-speed-*-{f3942c4,18c10c4,531fbf8}.json): Q/dO
+# ring depth at 128 with the Triton dQ kernel 2: 433.1 / 391.0, 3: 437.3 / 386.3,
+# 4: 445.2 / 402.7; the Gluon dQ at 128 with 128-key tiles 478.6 / 465.2 or a 3-deep ring
+# 492.1 / 449.4, both below the 64-key 2-deep tile. Per-warpgroup atomic dQ inside the
+# dK/dV kernel (atomic_dq=True) was 298.4 at 128 (hopper-bwd-speed-5387ddb.json).
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128),
     128: HopperBwdConfig(stages=4, dq_split=2, gluon_dq=True),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
-    # consumer warpgroups: 230928 B shared) + the Gluon dQ kernel with 32-key tiles (64-key
-    # tiles spill 2.8 KB). First H200 run (a3c9c4e, pipeline off): 395.9 / 375.6 TFLOPS
-    # (cuDNN 363.5 / 381.0, portable 246.6 / 241.8), 8/8 gradient checks
-    # (probes/hopper-bwd-speed-gluondq-256-a3c9c4e.json, hopper-bwd256-check-a3c9c4e.json).
+    # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
+    # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.
     256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True),
 }
 

@@ -1,7 +1,6 @@
 """Hopper (sm90) dK/dV kernel for head dim 256 in Gluon, the head-dim axis split over the two
-consumer warpgroups. DRAFT: compiles for sm_90a (``compile_check --bwd256``), never run on a
-GPU yet; not dispatched. dQ comes from a separate kernel (``hopper/bwd_dq.py`` or the
-portable one), as in ``hopper/bwd.py``.
+consumer warpgroups; dispatched on sm90 at head dim 256 (``hopper/bwd.py::bwd``). dQ comes
+from the Gluon dQ kernel (``hopper/bwd_dq.py``), as at 64/128.
 
 Why a different structure than ``hopper/bwd.py``: there each warpgroup owns 64 keys and
 holds dK and dV for them, 2 x 64 x D fp32; at D = 256 that is 256 registers per thread,
@@ -11,12 +10,15 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
 
 * WG0: S^T = K Q^T (64 keys x 64 queries, two wgmmas over the two 128-column halves of K and
   Q), P^T = exp2(S^T * scale_log2 - lse_log2) (masked on edge blocks), P^T -> ``pt_buf``
-  (bf16) for WG1; dV[:, :128] += P^T dO[:, :128] with P^T from registers; then
-  dS^T = P^T dP'^T with dP'^T from WG1 (``dp_buf``, fp32) -> ``ds_buf`` (bf16) for WG1;
-  dK[:, :128] += dS^T Q[:, :128] from registers.
-* WG1: dP'^T = V dO^T - Delta (two wgmmas, Delta as the initial accumulator) -> ``dp_buf``;
+  (16-bit) for WG1; dV[:, :128] += P^T dO[:, :128] with P^T from registers;
+  dK[:, :128] += dS^T Q[:, :128] with dS^T from ``ds_buf``.
+* WG1: dP'^T = V dO^T - Delta (two wgmmas, Delta as the initial accumulator);
+  dS^T = P^T dP'^T with P^T read back from ``pt_buf`` -> ``ds_buf`` (16-bit) for WG0;
   dV[:, 128:] += P^T dO[:, 128:] (P^T from ``pt_buf``); dK[:, 128:] += dS^T Q[:, 128:]
-  (dS^T from ``ds_buf``).
+  (dS^T from registers).
+* ``DS_WG1`` off (always with softcap, whose dS needs WG0's tanh): WG1 hands dP'^T to WG0
+  in fp32 (``dp_buf``, XOR-swizzled: unswizzled, the accumulator's row pairs hit the same
+  banks 8 ways and the backward was 8% slower), WG0 computes dS^T.
 * loader (1 warp): ``bwd._bwd_loader`` with ``SPLIT_D``: K and V halves once; Q / dO halves
   + lse_log2 / Delta per query block into ``STAGES``-deep rings (``q_ready``, ``do_ready``,
   ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
@@ -24,11 +26,11 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
 
 Exchange barriers (one completion per query block; a writer waits for the reader's
 previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
-``ds_ready`` / ``ds_free``. WG0 writes P^T before it waits for dP^T and WG1 writes dP^T
-before it waits for P^T, so neither waits on the other in a cycle.
+``ds_ready`` / ``ds_free``. The P^T writer never waits for dS^T before writing P^T, and
+the dP'^T side only needs P^T, so no two waits form a cycle.
 
-Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, dp 16 KB, ds 8 KB;
-lse / Delta rings 1 KB: about 225 KB of the 227 KB.
+Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB, dp 16 KB
+(softcap only); lse / Delta rings 1 KB: 214512 B (230928 B with softcap) of 232448.
 """
 import triton
 from triton.experimental import gluon
