@@ -81,7 +81,8 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
         return "triton.experimental.gluon is not available"
     if (target or target_of(q.device)) != "sm90":
         return "not an sm90 GPU"
-    if cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None:
+    if (cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None) and not getattr(
+            module, "VARLEN", False):
         return "varlen / seqused"
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in module.HEAD_DIMS:
@@ -94,7 +95,8 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
 def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
     """'' when the Gluon forward serves this case, else why not."""
     why_not = _hopper_supports(hopper_fwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
-    return why_not or ("seqlen_k == 0" if k.shape[1] == 0 else "")
+    keys = k.shape[0] if cu_seqlens_q is not None else k.shape[1]
+    return why_not or ("seqlen_k == 0" if keys == 0 else "")
 
 
 def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
@@ -109,11 +111,11 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
         why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
             cfg = configs.SM90_HOPPER_FWD[q.shape[-1]]
-            out = portable.alloc_output(q.shape, q.dtype, q.device)
-            lse = portable.alloc_output((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
-            if q.shape[1] == 0 or q.shape[0] == 0:
+            out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None)
+            if q.numel() == 0:
                 return out, lse
-            return hopper_fwd.fwd(q, k, v, out, lse, params, cfg)
+            return hopper_fwd.fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
+                                  seqused_q, seqused_k)
         if chosen == "hopper":
             raise NotImplementedError(f"triflash: the Hopper forward does not serve this case: {why_not}")
     elif chosen == "hopper":

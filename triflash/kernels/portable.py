@@ -29,6 +29,17 @@ def alloc_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def alloc_fwd_outputs(q, v, varlen):
+    """(out, lse) of a forward, FA3's shapes. Varlen: tokens no sequence covers (cu_seqlens
+    gaps, padding, past seqused) read as empty rows (0, lse -inf), so they start that way."""
+    out_shape = q.shape[:-1] + (v.shape[-1],)
+    if varlen:
+        return (torch.zeros(out_shape, dtype=q.dtype, device=q.device),
+                torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device))
+    return (alloc_output(out_shape, q.dtype, q.device),
+            alloc_output((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device))
+
+
 @dataclass(frozen=True)
 class AttnParams:
     """Everything about the attention problem that is not a tensor."""
@@ -92,13 +103,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     varlen = s["varlen"]
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    out_shape = q.shape[:-1] + (v.shape[-1],)
-    if varlen:  # tokens no sequence covers (cu_seqlens gaps, seqused) read as empty rows
-        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.full((nheads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-    else:
-        out = alloc_output(out_shape, q.dtype, q.device)
-        lse = alloc_output((q.shape[0], nheads, q.shape[1]), torch.float32, q.device)
+    out, lse = alloc_fwd_outputs(q, v, varlen)
     if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     qk_scale, softcap_log2 = p.score_constants()

@@ -6,7 +6,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..common import m_block_range, n_block_range
+from ..common import m_block_range, n_block_range, seqlen_info
 
 
 @gluon.constexpr_function
@@ -23,21 +23,51 @@ def _tma_view(buf, desc):
 
 
 @gluon.jit
-def _query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
-                window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Work tile of a kernel that walks key blocks for a query block (forward, dQ) ->
-    (batch, head, head_kv, first row, key block range). Tiles of one head are adjacent
-    (its K/V stay in L2) and go longest first (the last query block under causal)."""
+def _seq_query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                    CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                    HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
+    """Work tile of a kernel that walks key blocks for a query block (forward, dQ), dense or
+    varlen -> (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, first row,
+    key block range). Rows are relative to the sequence; a TMA box starts at row
+    ``start_q + row`` of batch ``tma_batch`` (varlen tensors are seen as (1, total, h, d), so
+    0). Tiles of one head are adjacent (its K/V stay in L2) and go longest first (the last
+    query block under causal). A varlen query block past its sequence's end visits nothing."""
     bh = tile // num_m_blocks
     m_block = num_m_blocks - 1 - (tile - bh * num_m_blocks)
     batch = bh // nheads
     head = bh - batch * nheads
     head_kv = head // (nheads // nheads_kv)
+    start_q, len_q, start_k, len_k = seqlen_info(
+        batch, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+        IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
     n_min, n_full_min, n_full_max, n_max = n_block_range(
-        m_block, seqlen_q, seqlen_k, window_left, window_right,
+        m_block, len_q, len_k, window_left, window_right,
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    return batch, head, head_kv, m_block * BLOCK_M, n_min, n_full_min, n_full_max, n_max
+    if IS_VARLEN:
+        tma_batch = 0
+        if m_block * BLOCK_M >= len_q:
+            n_full_min = n_min
+            n_full_max = n_min
+            n_max = n_min
+    else:
+        tma_batch = batch
+    return (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, m_block * BLOCK_M,
+            n_min, n_full_min, n_full_max, n_max)
+
+
+@gluon.jit
+def _query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """``_seq_query_tile`` of a dense batch -> (batch, head, head_kv, first row, key block
+    range)."""
+    _, batch, head, head_kv, _, _, _, _, row0, n_min, n_full_min, n_full_max, n_max = _seq_query_tile(
+        tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, seqlen_q, seqlen_k,
+        0, 0, 0, 0, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+        False, False, False)
+    return batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max
 
 
 @gluon.jit

@@ -64,7 +64,9 @@ def _problem(headdim, dtype, feature):
     return q, k, v, p
 
 
-def compile_fwd(headdim: int, dtype: str, feature: str) -> dict:
+def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False) -> dict:
+    """The forward with the tile of ``configs.SM90_HOPPER_FWD``; ``varlen``: packed
+    (total, heads, dim) tensors with cu_seqlens (and seqused_k)."""
     import torch
 
     from .. import configs
@@ -72,16 +74,17 @@ def compile_fwd(headdim: int, dtype: str, feature: str) -> dict:
     cfg = configs.SM90_HOPPER_FWD[headdim]
     q, k, v, p = _problem(headdim, dtype, feature)
     out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1])
-    qk_scale, softcap_log2 = p.score_constants()
-    bm = H.ROWS_PER_CONSUMER
-    args = [H.descriptor(q, bm), H.descriptor(k, cfg.block_n), H.descriptor(v, cfg.block_n),
-            H.descriptor(out, bm), lse, *lse.stride(), q.shape[2], k.shape[2], q.shape[1],
-            k.shape[1], 64, 8, qk_scale, softcap_log2,
-            p.window_left, p.window_right, cfg.block_n, cfg.stages, cfg.num_consumers,
-            p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0, cfg.pingpong,
-            cfg.loader_regs, cfg.consumer_regs]
-    return dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
-                block_n=cfg.block_n, stages=cfg.stages, **_compile(H.hopper_fwd_kernel, args))
+    cu = used = None
+    if varlen:
+        q, k, v, out = (x.flatten(0, 1) for x in (q, k, v, out))
+        lse = torch.empty(q.shape[1], q.shape[0])
+        cu, used = torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    _, args = H.kernel_args(q, k, v, out, lse, p, cfg, cu, cu, None, used)
+    row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
+               block_n=cfg.block_n, stages=cfg.stages)
+    if varlen:
+        row["varlen"] = True
+    return dict(row, **_compile(H.hopper_fwd_kernel, args))
 
 
 def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False, cfg=None) -> dict:
@@ -128,9 +131,11 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
 
 
 def all_fwd(dtypes=("bf16", "fp16")):
+    """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes and varlen in bf16."""
     from .. import configs
-    return [compile_fwd(d, dt, f) for d in sorted(configs.SM90_HOPPER_FWD)
-            for dt in dtypes for f in FEATURES]
+    dims = sorted(configs.SM90_HOPPER_FWD)
+    return ([compile_fwd(d, dt, f) for d in dims for dt in dtypes for f in FEATURES]
+            + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES])
 
 
 def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
@@ -198,6 +203,7 @@ def main(argv=None):
         if a.dump:
             os.makedirs(a.dump, exist_ok=True)
             name = "-".join(str(r[k]) for k in ("kernel", "headdim", "dtype", "feature", "atomic_dq") if k in r)
+            name += "-varlen" if r.get("varlen") else ""
             with open(os.path.join(a.dump, name + ".ptx"), "w") as fh:
                 fh.write(code_of(ptx))
     if a.json:

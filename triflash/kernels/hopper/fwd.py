@@ -19,8 +19,11 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
 
 Descriptors are rank 4 over (batch, seqlen, heads, dim) with blocks (1, rows, 1, dim), so
 any strides with a contiguous last dim work without copies and TMA zero-fills and clips at
-each sequence's end. Not covered here (dispatch falls back to the portable kernels):
-varlen, head dims other than 64/128/256, headdim_v != headdim.
+each sequence's end. Varlen batches (``VARLEN``): the (total, heads, dim) tensors are seen as
+(1, total, heads, dim), boxes start at each sequence's first row, key blocks past a
+sequence's end are masked like a dense tail, and O leaves by masked stores (a box would run
+into the next sequence). Not covered (dispatch falls back to the portable kernels): head
+dims other than 64/128/256, headdim_v != headdim.
 """
 import torch
 import triton
@@ -30,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import scores, visible
-from .common import _acc_layout, _query_tile, _tma_view, descriptor
+from .common import _acc_layout, _seq_query_tile, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -39,22 +42,25 @@ ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 k_ready, v_ready, k_free, v_free,
                 num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
-                window_left, window_right,
+                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
                 NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     kv_base = 0
     local = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
-            tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right,
-            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
+         n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
+            tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
         # The Q tiles double as the O staging of the previous tile: wait for its stores.
         # A fresh barrier counts as having completed the phase before 0.
         mbarrier.wait(q_free, (local & 1) ^ 1)
         mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [batch, row0 + c * BM, head, 0], q_ready,
+            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
                                             _tma_view(q_bufs.index(c), q_desc))
         count = n_max - n_min
         for it in range(count):
@@ -64,11 +70,11 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
             phase = (g // STAGES) & 1
             mbarrier.wait(k_free.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, n * BLOCK_N, head_kv, 0],
+            tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                             k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
             mbarrier.wait(v_free.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, n * BLOCK_N, head_kv, 0],
+            tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                             v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
         kv_base += count
         local += 1
@@ -156,12 +162,14 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 
 @gluon.jit
 def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns,
-                  o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
-                  num_tiles, num_m_blocks, nheads, nheads_kv, len_q, len_k,
+                  o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
+                  num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  CID: gl.constexpr, PINGPONG: gl.constexpr):
+                  CID: gl.constexpr, PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_buf.dtype.primitive_bitwidth
@@ -175,9 +183,11 @@ def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_fr
     turn = 0
     local = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
-            tile, num_m_blocks, nheads, nheads_kv, len_q, len_k, window_left, window_right,
-            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
+         n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
+            tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
         row_start = row0 + CID * BM
         rows = row_start + gl.arange(0, BM, layout=row_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
@@ -232,23 +242,41 @@ def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_fr
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
         gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
-                 + rows.to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
+                 + (start_q + rows).to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
         # O goes out through this consumer's Q tile: every wgmma reading it has retired.
         q_buf.store(out.to(q_buf.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0], _tma_view(q_buf, o_desc))
-        tma.store_wait(0)
+        if IS_VARLEN:
+            # a TMA box would run into the next sequence's rows: masked stores, 8 or 16 rows
+            # at a time (8-16 elements per thread: few registers for the 64-bit addresses;
+            # 8 rows at least, the swizzle pattern of the tile)
+            TC: gl.constexpr = 16 if DV >= 128 else DV // 8
+            CH: gl.constexpr = 4 * (32 // TC)
+            blk: gl.constexpr = gl.BlockedLayout([1, DV // TC], [32 // TC, TC], [4, 1], [1, 0])
+            o_cols = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, blk)), 0)
+            for r in gl.static_range(0, BM, CH):
+                o_rows = start_q + row_start + r + gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
+                gl.store(O + head.to(gl.int64) * stride_oh
+                         + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + o_cols,
+                         q_buf.slice(r, CH).load(blk),
+                         mask=gl.expand_dims(o_rows < start_q + len_q, 1))
+        else:
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [tma_batch, row_start, head, 0], _tma_view(q_buf, o_desc))
+            tma.store_wait(0)
         mbarrier.arrive(q_free)
         local += 1
 
 
 @gluon.jit
-def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
+def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
+                      LSE, stride_lseb, stride_lseh, stride_lsem,
                       nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks,
+                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                       qk_scale, softcap_log2, window_left, window_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      PINGPONG: gl.constexpr,
+                      PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -283,26 +311,37 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lseb, stride_l
 
     gl.warp_specialize(
         [(_fwd_consumer, (q_bufs.index(0), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
+                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0, PINGPONG)),
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0, PINGPONG,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
          (_fwd_consumer, (q_bufs.index(1), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, LSE, stride_lseb, stride_lseh, stride_lsem,
+                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1, PINGPONG)),
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1, PINGPONG,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
          (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
-                        window_left, window_right,
-                        NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT))],
+                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                        NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # ---- host side --------------------------------------------------------------------------
 
 HEAD_DIMS = (64, 128, 256)
+# Varlen (cu_seqlens / seqused) through this kernel: compiled for sm_90a (CI), not yet run on
+# an H200, so the dispatch keeps varlen on the portable forward until the GPU test
+# (tests/test_hopper_tier.py::test_hopper_fwd_varlen, which switches this on) passes.
+VARLEN = False
 
 
 _NUM_SMS = {}
@@ -314,25 +353,49 @@ def _num_sms(device) -> int:
     return _NUM_SMS[device]
 
 
-def fwd(q, k, v, out, lse, params, cfg):
-    """Dense (batch, seqlen, heads, dim) forward into ``out`` and ``lse`` (batch, heads, seqlen_q)."""
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None,
+                seqused_q=None, seqused_k=None, num_sms=132):
+    """(grid, args) of ``hopper_fwd_kernel``: dense (batch, seqlen, heads, dim) tensors with
+    lse (batch, heads, seqlen_q), or varlen (total, heads, dim) with ``cu_seqlens_q/k`` and
+    lse (heads, total_q), ``params.max_seqlen_q`` bounding a sequence's query blocks."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, (total_q, nheads, d), (total_k, nheads_kv) = cu_seqlens_q.shape[0] - 1, q.shape, k.shape[:2]
+        seqlen_q, seqlen_k = params.max_seqlen_q, params.max_seqlen_k
+        q4, k4, v4, o4 = (x.unsqueeze(0) for x in (q, k, v, out))  # (1, total, heads, dim) views
+        lse_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        batch, seqlen_q, nheads, d = q.shape
+        seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+        total_q, total_k = seqlen_q, seqlen_k
+        q4, k4, v4, o4 = q, k, v, out
+        lse_strides = lse.stride()
     bm = ROWS_PER_CONSUMER
     num_m_blocks = triton.cdiv(seqlen_q, bm * cfg.num_consumers)
     num_tiles = num_m_blocks * nheads * batch
     # persistent: one CTA per SM walks tiles tile, tile + grid, ...; else one CTA per tile
-    grid = (min(num_tiles, _num_sms(q.device)) if cfg.persistent else num_tiles,)
+    grid = (min(num_tiles, num_sms) if cfg.persistent else num_tiles,)
     qk_scale, softcap_log2 = params.score_constants()
-    hopper_fwd_kernel[grid](
-        descriptor(q, bm), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n),
-        descriptor(out, bm), lse, lse.stride(0), lse.stride(1), lse.stride(2),
-        nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks,
-        qk_scale, softcap_log2, params.window_left, params.window_right,
-        BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_CONSUMERS=cfg.num_consumers,
-        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
-        SOFTCAP=params.softcap > 0.0, PINGPONG=cfg.pingpong,
-        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=4,
-    )
+    dummy = lse  # never dereferenced when the matching flag is off
+    args = [descriptor(q4, bm), descriptor(k4, cfg.block_n), descriptor(v4, cfg.block_n),
+            descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *lse_strides,
+            nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks, total_q, total_k,
+            cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+            seqused_q if seqused_q is not None else dummy,
+            seqused_k if seqused_k is not None else dummy,
+            qk_scale, softcap_log2, params.window_left, params.window_right,
+            cfg.block_n, cfg.stages, cfg.num_consumers,
+            params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
+            cfg.pingpong, varlen, seqused_q is not None, seqused_k is not None,
+            cfg.loader_regs, cfg.consumer_regs]
+    return grid, args
+
+
+def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+        seqused_k=None):
+    """Forward into ``out`` and ``lse`` (layouts: ``kernel_args``)."""
+    grid, args = kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
+                             seqused_q, seqused_k, _num_sms(q.device))
+    if grid[0] > 0:
+        hopper_fwd_kernel[grid](*args, num_warps=4)
     return out, lse
