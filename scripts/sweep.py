@@ -1,10 +1,10 @@
 """Tile sweep for the portable kernels on one GPU: times candidate tiles and writes JSON,
 from which ``triflash/kernels/configs.py``'s sm90 tables are chosen.
 
-    python scripts/sweep.py --out sweep.json [--headdims 256 128 64] [--budget-s 150]
+    python scripts/sweep.py --out sweep.json [--headdims 256 128 64] [--budget-s 150] [--causal]
 
 Shapes follow the benchmark: the seed case at head dim 256 (1 x 8192 x 36), 16k tokens at
-seqlen 8192 otherwise; bf16, non-causal. Candidates were pre-screened on the CPU with
+seqlen 8192 otherwise; bf16, non-causal (``--causal``: bottom-right causal). Candidates were pre-screened on the CPU with
 ``python -m triflash.kernels.sm90_report`` (no or few spilled bytes), so the sweep spends
 GPU time only on tiles that fit. Each row: kind, tile, deterministic, ms, TFLOPS.
 """
@@ -66,6 +66,7 @@ def main():
     ap.add_argument("--out", default="sweep.json")
     ap.add_argument("--headdims", type=int, nargs="+", default=[256, 128, 64])
     ap.add_argument("--budget-s", type=float, default=150)
+    ap.add_argument("--causal", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
     rows = []
@@ -74,7 +75,7 @@ def main():
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
                          for _ in range(4))
-        p = AttnParams(d ** -0.5, -1, -1, 0.0, s, s)
+        p = AttnParams(d ** -0.5, -1, 0 if args.causal else -1, 0.0, s, s)
         out, lse = portable.fwd(q, k, v, None, None, None, None, p, CANDIDATES[d][0][0], False)
         for cfg, det in CANDIDATES[d]:
             if time.time() - t0 > args.budget_s:
@@ -82,14 +83,14 @@ def main():
                 break
             if isinstance(cfg, F):
                 ms = bench(lambda: portable.fwd(q, k, v, None, None, None, None, p, cfg, False))
-                f = flops(b, h, s, s, d, mode="fwd")
+                f = flops(b, h, s, s, d, causal=args.causal, mode="fwd")
             else:
                 sep = det or not cfg.atomic_dq
                 ms = bench(lambda: portable.bwd(dout, q, k, v, out, lse, None, None, None, None,
                                                 p, cfg, sep, False))
-                f = flops(b, h, s, s, d, mode="bwd")
-            row = dict(headdim=d, shape=[b, s, h], kind=type(cfg).__name__, cfg=repr(cfg),
-                       deterministic=det)
+                f = flops(b, h, s, s, d, causal=args.causal, mode="bwd")
+            row = dict(headdim=d, shape=[b, s, h], causal=args.causal, kind=type(cfg).__name__,
+                       cfg=repr(cfg), deterministic=det)
             row.update(dict(ms=ms, tflops=f / ms * 1e-9) if isinstance(ms, float) else dict(error=ms))
             rows.append(row)
             print(json.dumps(row), flush=True)
