@@ -5,8 +5,8 @@ from which ``triflash/kernels/configs.py``'s sm90 tables are chosen.
 
 Shapes follow the benchmark: the seed case at head dim 256 (1 x 8192 x 36), 16k tokens at
 seqlen 8192 otherwise; bf16, non-causal (``--causal``: bottom-right causal). Candidates were
-pre-screened on the CPU with ``python -m triflash.kernels.sm90_report`` (no or few spilled bytes), so the sweep spends
-GPU time only on tiles that fit. Each row: kind, tile, deterministic, ms, TFLOPS.
+pre-screened on the CPU with ``python -m triflash.kernels.sm90_report`` (no or few spilled
+bytes), so the sweep spends GPU time only on tiles that fit. Each row: kind, tile, deterministic, ms, TFLOPS.
 """
 import argparse
 import json
