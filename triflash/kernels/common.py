@@ -20,6 +20,11 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+def ceil_div(a: int, b: int) -> int:
+    """Host-side ``triton.cdiv`` (a constexpr function in Triton 3.6: ~4 us per host call)."""
+    return -(-a // b)
+
+
 @triton.jit
 def seqlen_info(batch, seqlen_q, seqlen_k, total_q, total_k,
                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,

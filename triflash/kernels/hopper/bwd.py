@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .. import configs, portable
 from . import bwd_dq
-from ..common import tanh
+from ..common import ceil_div, tanh
 from .common import _acc_layout, _key_tile, _tma_view, descriptor, stat_descriptor, tma_compatible
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
@@ -417,7 +417,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     dv = dv_out if tma_compatible(dv_out) else torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
     # lse_log2 / Delta padded to whole query tiles (TMA boxes stay inside; the pad is +inf / 0)
-    seqlen_pad = triton.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    seqlen_pad = ceil_div(seqlen_q, BLOCK_M) * BLOCK_M
     stat = torch.empty((batch, nheads, seqlen_pad), dtype=torch.float32, device=q.device)
     delta = torch.empty((batch, nheads, seqlen_pad), dtype=torch.float32, device=q.device)
     bwd_stats_kernel[(seqlen_pad // BLOCK_M, batch * nheads)](
@@ -428,7 +428,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     )
 
     atomic_dq = cfg.atomic_dq and not deterministic
-    grid = (triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
+    grid = (ceil_div(seqlen_k, cfg.block_n), nheads_kv, batch)
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
         bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages, cfg.ds_wg1)

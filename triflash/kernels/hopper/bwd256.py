@@ -32,13 +32,12 @@ the dP'^T side only needs P^T, so no two waits form a cycle.
 Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB, dp 16 KB
 (softcap only); lse / Delta rings 1 KB: 214512 B (230928 B with softcap) of 232448.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import tanh
+from ..common import ceil_div, tanh
 from .bwd import _bwd_loader
 from .common import _acc_layout, _key_tile, descriptor, stat_descriptor
 
@@ -310,7 +309,7 @@ def kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=Fal
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             ds_wg1 and params.softcap == 0.0, loader_regs, consumer_regs]
-    return (triton.cdiv(seqlen_k, BLOCK_N), nheads_kv, batch), args
+    return (ceil_div(seqlen_k, BLOCK_N), nheads_kv, batch), args
 
 
 def launch(q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):

@@ -22,13 +22,12 @@ Statistics come from the padded ``bwd_stats_kernel`` buffers of ``hopper/bwd.py`
 plain loads: 64 floats per consumer per CTA. Math and masking are those of the portable
 ``bwd_dq_kernel``.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import tanh, visible
+from ..common import ceil_div, tanh, visible
 from .common import _acc_layout, _query_tile, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64
@@ -200,7 +199,7 @@ def kernel_args(q, k, v, dout, dq, stat, delta, params, block_n, stages, num_con
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     bm = ROWS_PER_CONSUMER
-    num_m_blocks = triton.cdiv(seqlen_q, bm * num_consumers)
+    num_m_blocks = ceil_div(seqlen_q, bm * num_consumers)
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, bm), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, bm),
             descriptor(dq, bm), stat, delta, stat.stride(0), stat.stride(1),

@@ -26,13 +26,12 @@ into the next sequence). Not covered (dispatch falls back to the portable kernel
 dims other than 64/128/256, headdim_v != headdim.
 """
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import scores, visible
+from ..common import ceil_div, scores, visible
 from .common import _acc_layout, _seq_query_tile, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
@@ -371,7 +370,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
         q4, k4, v4, o4 = q, k, v, out
         lse_strides = lse.stride()
     bm = ROWS_PER_CONSUMER
-    num_m_blocks = triton.cdiv(seqlen_q, bm * cfg.num_consumers)
+    num_m_blocks = ceil_div(seqlen_q, bm * cfg.num_consumers)
     num_tiles = num_m_blocks * nheads * batch
     # persistent: one CTA per SM walks tiles tile, tile + grid, ...; else one CTA per tile
     grid = (min(num_tiles, num_sms) if cfg.persistent else num_tiles,)
@@ -395,7 +394,7 @@ def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, se
         seqused_k=None):
     """Forward into ``out`` and ``lse`` (layouts: ``kernel_args``)."""
     grid, args = kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
-                             seqused_q, seqused_k, _num_sms(q.device))
+                             seqused_q, seqused_k, _num_sms(q.device) if cfg.persistent else 0)
     if grid[0] > 0:
         hopper_fwd_kernel[grid](*args, num_warps=4)
     return out, lse
