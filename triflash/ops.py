@@ -50,8 +50,22 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
         ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
     """(out, lse). ``ints``/``floats`` from ``pack_scalars``; deterministic only travels to
     the backward."""
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
+
+
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
+    """The forward both entry points run (the custom op and the eager ``_Attention``)."""
     return dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             _params(ints, floats))
+
+
+def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+              ints, floats):
+    """The backward both entry points run."""
+    if dout.stride(-1) != 1:  # autograd may hand us expanded (stride-0) gradients
+        dout = dout.contiguous()
+    return dispatch.run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                            seqused_k, _params(ints, floats), bool(ints[4]))
 
 
 @fwd.register_fake
@@ -70,10 +84,8 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
         ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv)."""
-    if dout.stride(-1) != 1:  # autograd may hand us expanded (stride-0) gradients
-        dout = dout.contiguous()
-    return dispatch.run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                            seqused_k, _params(ints, floats), bool(ints[4]))
+    return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                     ints, floats)
 
 
 @bwd.register_fake
@@ -172,43 +184,33 @@ fwd_qkvpacked.register_autograd(_backward_qkvpacked, setup_context=_setup_contex
 # ---- eager fast path ----------------------------------------------------------------------
 
 class _Attention(torch.autograd.Function):
-    """Eager twin of ``fwd`` + its registered autograd: same dispatch calls, same outputs."""
+    """Eager twin of ``fwd`` + its registered autograd: the same forward, context and backward
+    implementation, without the torch.library dispatch."""
+    forward = staticmethod(_fwd_impl)
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
-        out, lse = dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                    _params(ints, floats))
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        ctx.scalars = (ints, floats)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[1])  # lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
-        ints, floats = ctx.scalars
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = dispatch.run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                      seqused_q, seqused_k, _params(ints, floats), bool(ints[4]))
+        dq, dk, dv = _bwd_impl(dout, *ctx.saved_tensors, *ctx.scalars)
         return dq, dk, dv, None, None, None, None, None, None
 
 
 class _AttentionQKVPacked(torch.autograd.Function):
     """Eager twin of ``fwd_qkvpacked`` + its registered autograd."""
+    forward = staticmethod(_fwd_qkvpacked_impl)
 
     @staticmethod
-    def forward(ctx, qkv, ints, floats):
-        out, lse = _fwd_qkvpacked_impl(qkv, ints, floats)
-        ctx.save_for_backward(qkv, out, lse)
-        ctx.scalars = (ints, floats)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    def setup_context(ctx, inputs, output):
+        _setup_context_qkvpacked(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        qkv, out, lse = ctx.saved_tensors
-        return _bwd_qkvpacked_impl(dout, qkv, out, lse, *ctx.scalars), None, None
+        return _bwd_qkvpacked_impl(dout, *ctx.saved_tensors, *ctx.scalars), None, None
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):

@@ -64,6 +64,23 @@ SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split ove
 
 
 @gluon.jit
+def _loader_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """The barriers ``_bwd_loader`` works with, initialised: ``kv_bar`` (K and V, once), and
+    per ring slot ``q_ready`` (Q + lse), ``do_ready`` (dO + Delta) and ``free`` (every
+    consumer warpgroup arrives when done with the slot)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=NUM_CONSUMERS)
+    return kv_bar, q_ready, do_ready, free
+
+
+@gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
                 q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                 batch, head_kv, group, key0, m_min, m_max,
@@ -299,15 +316,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=NUM_CONSUMERS)
+    kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, NUM_CONSUMERS)
 
     gl.warp_specialize(
         [(_bwd_consumer, (k_bufs.index(0), v_bufs.index(0), kv_bar, q_ring, do_ring, lse_ring,
@@ -362,18 +371,6 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
 
 # ---- host side --------------------------------------------------------------------------
 
-def supports(dout, q, k, v, out) -> str:
-    """'' when this backward serves the (dense) case, else why not."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or d not in HEAD_DIMS:
-        return f"head dims ({d}, {dv}) (needs equal, one of {HEAD_DIMS})"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype}"
-    if not tma_compatible(q, k, v):
-        return "strides or base pointers not 16-byte aligned (TMA)"
-    return ""
-
-
 def _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq):
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -393,17 +390,14 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     """(dq, dk, dv) for dense (batch, seqlen, heads, dim) q/k/v/out/dout and lse (batch,
     heads, seqlen_q) fp32 natural log, as the forward returns it. Given dq/dk/dv (any strides,
     e.g. views of one packed dqkv) are written; dk/dv that TMA cannot store to directly are
-    computed into contiguous buffers and copied.
+    computed into contiguous buffers and copied. The case must be one
+    ``dispatch.hopper_bwd_supports`` accepts (the dispatch checks it once, before calling).
 
-    dQ comes from the portable ``bwd_dq_kernel`` unless ``cfg.atomic_dq`` and not
-    ``deterministic`` (then fp32 atomics inside this kernel, dq = dq_accum * scale)."""
+    dK/dV: ``hopper_bwd_kernel``, or ``bwd256`` at head dim 256. dQ: the Gluon dQ kernel
+    (``cfg.gluon_dq``), the portable ``bwd_dq_kernel``, or, with ``cfg.atomic_dq`` and not
+    ``deterministic``, fp32 atomics inside the dK/dV kernel (dq = dq_accum * scale)."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    why_not = supports(dout, q, k, v, out)
-    if why_not:
-        raise NotImplementedError(f"triflash hopper bwd: {why_not}")
-    if nheads % nheads_kv:
-        raise ValueError("nheads must be a multiple of nheads_kv")
     cfg = cfg or configs.SM90_HOPPER_BWD[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh
-from .bwd import _bwd_loader
+from .bwd import _bwd_loader, _loader_barriers
 from .common import _acc_layout, _key_tile, descriptor, stat_descriptor
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
@@ -257,16 +257,8 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     pt_buf = gl.allocate_shared_memory(dtype, [KN, BM], x_layout)
     ds_buf = gl.allocate_shared_memory(dtype, [KN, BM], x_layout)
     dp_buf = gl.allocate_shared_memory(gl.float32, [KN, BM], dp_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, 2)
     xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)
     for i in gl.static_range(6):
         mbarrier.init(xbar.index(i), count=1)
     pt_ready = xbar.index(0)
