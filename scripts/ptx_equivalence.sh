@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Do the dispatched Gluon kernels of this checkout compile (sm_90a, on the CPU) to the same
+# instructions as those of commit REF (e.g. the last commit measured on the H200)?
+# Usage: bash scripts/ptx_equivalence.sh REF [PYTHON]
+# Prints, per kernel configuration: identical, "params-only" (the same instructions, kernel
+# parameters declared or numbered differently: added arguments the kernel does not read in
+# that configuration), or REAL (different instructions), and a summary line.
+set -u
+REF="$1"; PY="${2:-python3}"; TMP=$(mktemp -d)
+git worktree add -q "$TMP/ref" "$REF" || exit 1
+for part in fwd bwd dq; do
+  flag=$([ $part = fwd ] || echo "--$part")
+  (cd "$TMP/ref" && PYTHONPATH=. $PY -m triflash.kernels.hopper.compile_check $flag --dump "$TMP/a-$part" > /dev/null 2>&1)
+  PYTHONPATH=. $PY -m triflash.kernels.hopper.compile_check $flag --dump "$TMP/b-$part" > /dev/null 2>&1
+done
+norm() { grep -v '^\s*\.param' "$1" | sed -E 's/_kernel_param_[0-9]+/P/g' | grep -v '^\s*$'; }
+same=0; params=0; real=0
+for a in "$TMP"/a-*/*.ptx; do
+  part=$(basename "$(dirname "$a")"); part=${part#a-}; b="$TMP/b-$part/$(basename "$a")"
+  if [ ! -f "$b" ]; then echo "missing $(basename "$a")"; real=$((real+1))
+  elif diff -q -B "$a" "$b" > /dev/null; then echo "identical $(basename "$a")"; same=$((same+1))
+  elif diff <(norm "$a") <(norm "$b") > /dev/null; then echo "params-only $(basename "$a")"; params=$((params+1))
+  else echo "REAL $(basename "$a")"; real=$((real+1)); fi
+done
+echo "vs $REF: $same identical, $params params-only, $real different"
+git worktree remove --force "$TMP/ref"; rm -rf "$TMP"
