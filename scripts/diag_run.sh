@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call of diagnostics, each part under its own timeout, results under OUTDIR:
 # GPU tests, the dQ-tile fault search (scripts/fault_repro.py), the backward's per-kernel
-# time (scripts/bwd_breakdown.py), Hopper backward tile variants (scripts/hopper_bwd_probe.py).
-# tier: the Hopper-tier GPU tests only; check / speed: scripts/hopper_bwd_probe.py with
+# time (scripts/bwd_breakdown.py), Hopper backward tile variants (scripts/hopper_bwd_probe.py),
+# portable tiles (sweep: scripts/sweep.py --jobs SWEEP_JOBS with SWEEP_ARGS).
+# tier: the Hopper-tier GPU tests only (TIER_K: a pytest -k filter); check / speed: scripts/hopper_bwd_probe.py with
 # CHECK_ARGS / SPEED_ARGS. Parts in BG_PARTS run first, concurrently (compiling is CPU-bound).
 # Usage: [BG_PARTS="tier check"] [PARTS="tests fault breakdown probe"] bash scripts/diag_run.sh COMMIT OUTDIR
 set -u
@@ -14,7 +15,7 @@ run_part() {
   echo "== $part $(date -u +%T)"
   case $part in
     tier)  timeout "${TIER_TIMEOUT:-280}" python3 -m pytest tests/test_hopper_tier.py -n "${TIER_WORKERS:-6}" \
-             -p no:cacheprovider -p no:logging --tb=short -v > "$OUT_DIR/tier-tests.txt" 2>&1
+             ${TIER_K:+-k "$TIER_K"} -p no:cacheprovider -p no:logging --tb=short -v > "$OUT_DIR/tier-tests.txt" 2>&1
            echo "== tier done $(date -u +%T)"; tail -n 12 "$OUT_DIR/tier-tests.txt" ;;
     check) timeout "${CHECK_TIMEOUT:-200}" python3 scripts/hopper_bwd_probe.py check ${CHECK_ARGS:-} --out "$OUT_DIR" 2>&1 \
              | tee "$OUT_DIR/check.txt"; echo "== check done $(date -u +%T)" ;;
@@ -27,6 +28,8 @@ run_part() {
              CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 scripts/fault_repro.py --headdims 96 72 \
                --dtypes bf16 --masks causal --deterministic 1 --dq "$dq" 2>&1 | grep -E "dQ tile|FAULT|DONE|Error" | head -3
            done 2>&1 | tee "$OUT_DIR/fault-tiles.txt" ;;
+    sweep) timeout "${SWEEP_TIMEOUT:-400}" python3 scripts/sweep.py --out "$OUT_DIR/sweep.json" --jobs "${SWEEP_JOBS:-12}" \
+             ${SWEEP_ARGS:-} > "$OUT_DIR/sweep.txt" 2>&1; echo "== sweep done $(date -u +%T)"; tail -n 3 "$OUT_DIR/sweep.txt" ;;
     breakdown) timeout 150 python3 scripts/bwd_breakdown.py --out "$OUT_DIR" 2>&1 | tail -n 14 ;;
     probe) for c in ${PROBE_CONFIGS:-stages=3}; do
              timeout 90 python3 scripts/hopper_bwd_probe.py speed --impls hopper --config "$c" --out "$OUT_DIR" 2>&1 | tail -n 4
