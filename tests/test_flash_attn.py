@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import triflash
-from triflash.testing import attention_ref, assert_matches_reference, fa_tolerance, max_err
+from triflash.testing import (assert_forward_matches, assert_matches_reference, attention_ref, fa_tolerance,
+                              max_err)
 
 from conftest import DEVICE
 
@@ -208,3 +209,30 @@ def test_empty_problems(shape):
     assert out.shape == (batch, sq, 2, 16) and lse.shape == (batch, 2, sq)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert dq.shape == q.shape and torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy-rescale"])
+def test_forward_rescaling(monkeypatch, lazy):
+    """The forward's running-max rescale, eager and lazy (``FwdConfig.lazy_rescale``: the
+    accumulator is rescaled only when a row's max grew by more than 2^8), on scores whose
+    max keeps rising along the keys (so rescales fire and are skipped), causal and not,
+    with and without softcap, whatever tile table the target uses."""
+    import dataclasses
+    from triflash.kernels import configs
+    original = configs.fwd_config
+    monkeypatch.setattr(configs, "fwd_config",
+                        lambda *a: dataclasses.replace(original(*a), lazy_rescale=lazy))
+    g = torch.Generator().manual_seed(3)
+    b, s, h, d = 1, 300 if DEVICE == "cpu" else 2000, 2, 64
+    q = torch.randn(b, s, h, d, generator=g)
+    drift = torch.linspace(0, 8, s)[None, :, None, None] * q.mean(1, keepdim=True)
+    k = torch.randn(b, s, h, d, generator=g) + drift
+    v = torch.randn(b, s, h, d, generator=g)
+    q, k, v = (x.to(DEVICE, torch.float16) for x in (q, k, v))
+    for causal, softcap in ((False, 0.0), (True, 0.0), (False, 30.0)):
+        kw = dict(softmax_scale=0.5, causal=causal, softcap=softcap)
+        with triflash.force_backend("portable"):  # the forward this tile flag belongs to
+            out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+        ref, lse_ref = attention_ref(q, k, v, **kw)
+        pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+        assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)

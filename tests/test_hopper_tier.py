@@ -102,28 +102,14 @@ def test_unserved_cases_fall_back_or_are_refused():
 @pytest.mark.parametrize("seqused", [False, True])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_hopper_fwd_varlen(monkeypatch, d, mask, seqused):
-    """The Gluon forward on packed varlen batches (``hopper.fwd.VARLEN``, switched on here
-    until this test has passed on the H200): sequences of length 0 and 1, query blocks past a
-    sequence's end, keys straddling two sequences, seqused and padding rows; per sequence
-    against the fp32 reference."""
-    from test_varlen import _packed
-    from triflash.kernels.hopper import fwd as hopper_fwd
-    from triflash.testing import attention_varlen_ref
-    monkeypatch.setattr(hopper_fwd, "VARLEN", True)
+def test_hopper_varlen(d, mask, seqused):
+    """The Gluon forward and backward on packed varlen batches: sequences of length 0 and 1,
+    query and key blocks past a sequence's end, tiles straddling two sequences, GQA, seqused
+    and padding rows; per sequence against the fp32 reference, gradients included."""
+    from test_varlen import check_varlen
     causal, window, softcap = MASKS[mask]
     lens_q, lens_k = [0, 1, 700, 129, 1000, 64, 333], [5, 1, 900, 63, 1000, 0, 129]
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 8, 2, d, d, torch.bfloat16, seed=d, pad=9)
-    used_q = used_k = None
-    if seqused:
-        used_q = torch.tensor([0, 1, 650, 129, 1, 64, 200], dtype=torch.int32, device="cuda")
-        used_k = torch.tensor([5, 0, 900, 10, 999, 0, 129], dtype=torch.int32, device="cuda")
-    assert dispatch.hopper_fwd_supports(q, k, v, cu_q, used_q, used_k) == ""
-    kw = dict(causal=causal, window_size=window, softcap=softcap)
-    with torch.no_grad(), triflash.force_backend("hopper"):
-        out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                   seqused_q=used_q, seqused_k=used_k,
-                                                   return_attn_probs=True, **kw)
-    ref, lse_ref = attention_varlen_ref(q, k, v, cu_q, cu_k, used_q, used_k, upcast=True, **kw)
-    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, used_q, used_k, upcast=False, **kw)
-    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
+    used = ([0, 1, 650, 129, 1, 64, 200], [5, 0, 900, 10, 999, 0, 129]) if seqused else None
+    with triflash.force_backend("hopper"):
+        check_varlen(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal, window, softcap,
+                     seqused=used, seed=d, pad=9, deterministic=seqused)

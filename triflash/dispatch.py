@@ -7,13 +7,15 @@
                "hopper"     triflash/kernels/hopper/, Gluon, sm90 only
 
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
-                 (dense batches, headdim == headdim_v in {64, 128, 256}, TMA-aligned strides)
+                 (dense or varlen batches, headdim == headdim_v in {64, 128, 256},
+                 TMA-aligned strides, seqlen_k > 0)
               otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
     backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (hopper/bwd.py, or
                  hopper/bwd256.py at head dim 256) + the Gluon dQ kernel (hopper/bwd_dq.py),
                  tile configs.SM90_HOPPER_BWD; no atomics, so deterministic=True and False
                  are the same bitwise-reproducible path
-                 (dense batches, headdim == headdim_v in {64, 128, 256}, TMA-aligned strides)
+                 (dense or varlen batches, headdim == headdim_v in {64, 128, 256},
+                 TMA-aligned strides)
               otherwise -> portable backward, tile from configs.bwd_config(target, d, dv);
               deterministic=True  -> dK/dV kernel + separate dQ kernel (no atomics)
               deterministic=False -> dK/dV kernel with fp32 atomic dQ, unless the tile
@@ -134,7 +136,9 @@ def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         why_not = hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
             return hopper_bwd.bwd(dout, q, k, v, out, lse, params, deterministic,
-                                  configs.SM90_HOPPER_BWD[q.shape[-1]], dq=dq, dk=dk, dv=dv)
+                                  configs.SM90_HOPPER_BWD[q.shape[-1]], dq=dq, dk=dk, dv=dv,
+                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                  seqused_q=seqused_q, seqused_k=seqused_k)
         if chosen == "hopper":
             raise NotImplementedError(f"triflash: the Hopper backward does not serve this case: {why_not}")
     elif chosen == "hopper":

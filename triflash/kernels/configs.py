@@ -15,6 +15,9 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # True: the unmasked key blocks rescale the output accumulator only when a row's max
+    # grew by more than 2^8 (kernels/fwd.py); pays where the accumulator is large (head dim 256)
+    lazy_rescale: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, LAZY_RESCALE: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEADDIM
     dv_ok = offs_dv < HEADDIM_V
@@ -44,20 +44,47 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = scores(tl.dot(q, tl.trans(k)), qk_scale, softcap_log2, SOFTCAP)
+        qk = tl.dot(q, tl.trans(k))
         if MASK:
+            s = scores(qk, qk_scale, softcap_log2, SOFTCAP)
             s = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k,
                                  window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            # Every row sees every key here, so each row's max is finite. Without softcap the
+            # scale is applied inside exp2's argument (one FMA per score: max(qk) * scale is
+            # the max of the scaled scores, scale > 0).
+            if SOFTCAP:
+                s = scores(qk, qk_scale, softcap_log2, SOFTCAP)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            if LAZY_RESCALE:
+                # Keep the running max (and skip rescaling the accumulator) unless some row's
+                # max grew by more than 8 (log2 units): P stays <= 2^8, exact once l_i
+                # divides it out (FlashAttention-4's conditional rescaling).
+                if tl.max(m_new - m_i, 0) > 8.0:
+                    alpha = tl.exp2(m_i - m_new)
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha
+                    m_i = m_new
+            else:
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            if SOFTCAP:
+                p = tl.exp2(s - m_i[:, None])
+            else:
+                p = tl.exp2(qk * qk_scale - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            acc = acc + tl.dot(p.to(v.dtype), v)
     return acc, m_i, l_i
 
 
@@ -76,7 +103,7 @@ def flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, LAZY_RESCALE: tl.constexpr = False,
 ):
     # Query blocks of one head are adjacent in launch order (shared K/V in L2); the last
     # (longest, under causal) query block goes first.
@@ -116,17 +143,17 @@ def flash_fwd_kernel(
                                n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, LAZY_RESCALE)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, LAZY_RESCALE)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, LAZY_RESCALE)
 
     # A row that saw no key: output 0, lse = -inf (never NaN).
     seen = l_i > 0.0

@@ -54,12 +54,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .. import configs, portable
 from . import bwd_dq
-from ..common import ceil_div, tanh
-from .common import _acc_layout, _key_tile, _tma_view, descriptor, stat_descriptor, tma_compatible
+from ..common import ceil_div, seqlen_info, tanh
+from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, stat_descriptor, stat_row0,
+                     stat_rows, tma_compatible)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
 HEAD_DIMS = (64, 128, 256)  # dispatched (= headdim_v)
+VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked dK/dV/dQ stores
 SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split over the warpgroups)
 
 
@@ -83,12 +85,13 @@ def _loader_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 @gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
                 q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                batch, head_kv, group, key0, m_min, m_max,
+                tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max,
                 NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False):
     """The TMA producer of the dK/dV kernels. K and V: ``NUM_CONSUMERS`` tiles, one per
     consumer's keys, or with ``SPLIT_D`` (hopper/bwd256.py) the two column halves of one key
     block's tile (the descriptors' boxes are then half the head dim wide, and every Q / dO
-    ring slot is two consecutive halves too)."""
+    ring slot is two consecutive halves too). Keys and query blocks are relative to the
+    sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``)."""
     KR: gl.constexpr = k_desc.block_type.shape[1]
     BM: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = q_desc.block_type.shape[3]
@@ -97,9 +100,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
     COL_STEP: gl.constexpr = W if SPLIT_D else 0
     mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [batch, key0 + c * KEY_STEP, head_kv, c * COL_STEP], kv_bar,
-                                        _tma_view(k_bufs.index(c), k_desc))
-        tma.async_copy_global_to_shared(v_desc, [batch, key0 + c * KEY_STEP, head_kv, c * COL_STEP], kv_bar,
+        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
+                                        kv_bar, _tma_view(k_bufs.index(c), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
+                                        kv_bar,
                                         _tma_view(v_bufs.index(c), v_desc))
     count = m_max - m_min
     # Same order as the consumers: query heads of the group outer, query blocks ascending.
@@ -115,15 +119,15 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
         # Q with its rows' LSE, dO with its rows' Delta: one barrier each.
         mbarrier.expect(q_ready.index(stage), PIECES * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         for j in gl.static_range(PIECES):
-            tma.async_copy_global_to_shared(q_desc, [batch, m * BM, head, j * W], q_ready.index(stage),
+            tma.async_copy_global_to_shared(q_desc, [tma_batch, q_row0 + m * BM, head, j * W], q_ready.index(stage),
                                             _tma_view(q_ring.index(PIECES * stage + j), q_desc))
-        tma.async_copy_global_to_shared(lse_desc, [batch, head, m * BM], q_ready.index(stage),
+        tma.async_copy_global_to_shared(lse_desc, [tma_batch, head, stat0 + m * BM], q_ready.index(stage),
                                         _tma_view(lse_ring.index(stage), lse_desc))
         mbarrier.expect(do_ready.index(stage), PIECES * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         for j in gl.static_range(PIECES):
-            tma.async_copy_global_to_shared(do_desc, [batch, m * BM, head, j * W], do_ready.index(stage),
+            tma.async_copy_global_to_shared(do_desc, [tma_batch, q_row0 + m * BM, head, j * W], do_ready.index(stage),
                                             _tma_view(do_ring.index(PIECES * stage + j), do_desc))
-        tma.async_copy_global_to_shared(delta_desc, [batch, head, m * BM], do_ready.index(stage),
+        tma.async_copy_global_to_shared(delta_desc, [tma_batch, head, stat0 + m * BM], do_ready.index(stage),
                                         _tma_view(delta_ring.index(stage), delta_desc))
 
 
@@ -227,12 +231,14 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
 @gluon.jit
 def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   q_ready, do_ready, free, ds_buf, dk_desc, dv_desc,
+                  DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                   DQ, stride_dqb, stride_dqm, stride_dqh,
-                  batch, head_kv, group, key_start, len_q, len_k,
+                  tma_batch, head_kv, group, start_k, key_start, len_q, len_k,
                   m_min, m_full_min, m_full_max, m_max,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr):
+                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                  IS_VARLEN: gl.constexpr):
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     DV: gl.constexpr = v_buf.shape[1]
@@ -255,7 +261,7 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     count = m_max - m_min
     for g in range(group):
         head = head_kv * group + g
-        dq_ptr = DQ + batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
+        dq_ptr = DQ + tma_batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
         base = g * count - m_min  # ring slot counter of query block m is base + m
         # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
         # top edge (window left edge); a key block reaching past len_k is masked throughout.
@@ -270,23 +276,32 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
 
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
     # has retired; the other warpgroup never touches them); the TMA store clips rows past
-    # the sequence.
+    # the (dense) sequence, a varlen sequence's end needs masked stores.
     k_buf.store((dk * softmax_scale).to(dtype))
     v_buf.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [batch, key_start, head_kv, 0], _tma_view(k_buf, dk_desc))
-    tma.async_copy_shared_to_global(dv_desc, [batch, key_start, head_kv, 0], _tma_view(v_buf, dv_desc))
-    tma.store_wait(0)
+    if IS_VARLEN:
+        row0 = start_k + key_start
+        _store_rows(k_buf, DK_OUT + head_kv.to(gl.int64) * stride_dkh + row0.to(gl.int64) * stride_dkn,
+                    stride_dkn, len_k - key_start)
+        _store_rows(v_buf, DV_OUT + head_kv.to(gl.int64) * stride_dvh + row0.to(gl.int64) * stride_dvn,
+                    stride_dvn, len_k - key_start)
+    else:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [tma_batch, key_start, head_kv, 0], _tma_view(k_buf, dk_desc))
+        tma.async_copy_shared_to_global(dv_desc, [tma_batch, key_start, head_kv, 0], _tma_view(v_buf, dv_desc))
+        tma.store_wait(0)
 
 
 @gluon.jit
 def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+                      DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                       DQ, stride_dqb, stride_dqm, stride_dqh,
-                      nheads, nheads_kv, seqlen_q, seqlen_k,
+                      nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                       qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                       STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                      ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
@@ -298,10 +313,13 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     gl.static_assert(lse_desc.block_type.shape[2] == BM, "LSE tiles match the query tiles")
     gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
     gl.static_assert(D == DV, "headdim == headdim_v")
+    gl.static_assert(not (IS_VARLEN and ATOMIC_DQ), "varlen: dQ by the dQ kernel")
     BLOCK_N: gl.constexpr = KR * NUM_CONSUMERS
-    batch, head_kv, group, key0, m_min, m_full_min, m_full_max, m_max = _key_tile(
-        nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right, BM, BLOCK_N,
-        HAS_LEFT, HAS_RIGHT)
+    (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
+     m_min, m_full_min, m_full_max, m_max) = _key_tile(
+        nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+        window_left, window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+        HAS_SEQUSED_Q, HAS_SEQUSED_K)
 
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, DV], dtype)
@@ -321,131 +339,163 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     gl.warp_specialize(
         [(_bwd_consumer, (k_bufs.index(0), v_bufs.index(0), kv_bar, q_ring, do_ring, lse_ring,
                           delta_ring, q_ready, do_ready, free, ds_bufs.index(0), dk_desc, dv_desc,
+                          DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                           DQ, stride_dqb, stride_dqm, stride_dqh,
-                          batch, head_kv, group, key0, seqlen_q, seqlen_k,
+                          tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT, IS_VARLEN)),
          (_bwd_consumer, (k_bufs.index(1), v_bufs.index(1), kv_bar, q_ring, do_ring, lse_ring,
                           delta_ring, q_ready, do_ready, free, ds_bufs.index(1), dk_desc, dv_desc,
+                          DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                           DQ, stride_dqb, stride_dqm, stride_dqh,
-                          batch, head_kv, group, key0 + KR, seqlen_q, seqlen_k,
+                          tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT, IS_VARLEN)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                        batch, head_kv, group, key0, m_min, m_max, NUM_CONSUMERS, STAGES))],
+                        tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
+                        NUM_CONSUMERS, STAGES))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @triton.jit
 def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
                      stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
-                     stride_lseb, stride_lseh, stride_lsem,
-                     stride_sb, stride_sh, nheads, seqlen_q,
-                     HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per query row, into buffers padded to a multiple of the query tile (TMA tiles never
-    leave them): Delta = rowsum(dO * O) (0 past len_q) and lse in log2 units, +inf past len_q
-    and for rows that saw no key (lse = -inf), so that P = exp2(S - lse) is 0 there."""
+                     stride_lseb, stride_lseh, stride_lsem, stride_sb, stride_sh,
+                     nheads, seqlen_q, total_q, CU_Q, USED_Q,
+                     HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr):
+    """Per query row, into buffers padded to whole query tiles per sequence (TMA tiles never
+    leave a sequence's rows, see ``common.stat_row0``): Delta = rowsum(dO * O) (0 past
+    len_q) and lse in log2 units, +inf past len_q and for rows that saw no key (lse = -inf),
+    so that P = exp2(S - lse) is 0 there."""
     m_block = tl.program_id(0)
     bh = tl.program_id(1)
     batch = bh // nheads
     head = bh % nheads
+    start_q, len_q, _, _ = seqlen_info(batch, seqlen_q, 0, total_q, 0, CU_Q, CU_Q, USED_Q, USED_Q,
+                                       IS_VARLEN, HAS_SEQUSED_Q, False)
+    if IS_VARLEN and m_block * BLOCK_M >= len_q:  # no dK/dV or dQ tile reads these rows
+        return
+    if IS_VARLEN:  # (1, total, heads, dim) tensors
+        tma_batch = batch * 0
+    else:
+        tma_batch = batch
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEADDIM_V)
-    row_ok = offs_m < seqlen_q
-    rows = offs_m[:, None].to(tl.int64)
-    o = tl.load(O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    row_ok = offs_m < len_q
+    rows = (start_q + offs_m[:, None]).to(tl.int64)
+    o = tl.load(O + tma_batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
                 + rows * stride_om + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    do = tl.load(DO + tma_batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
                  + rows * stride_dom + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
-    lse = tl.load(LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
-                  + offs_m.to(tl.int64) * stride_lsem, mask=row_ok, other=float("-inf"))
+    lse = tl.load(LSE + tma_batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+                  + (start_q + offs_m).to(tl.int64) * stride_lsem, mask=row_ok, other=float("-inf"))
     stat = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    out_off = batch.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh + offs_m
+    out_off = (tma_batch.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh
+               + stat_row0(batch, start_q, IS_VARLEN, BLOCK_M) + offs_m)
     tl.store(STAT + out_off, stat)
     tl.store(DELTA + out_off, delta)
 
 
 # ---- host side --------------------------------------------------------------------------
 
-def _kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq):
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq):
+    """Arguments of ``hopper_bwd_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D views."""
     qk_scale, softcap_log2 = params.score_constants()
     kr = ROWS_PER_CONSUMER
     return [descriptor(q, BLOCK_M), descriptor(k, kr), descriptor(v, kr), descriptor(dout, BLOCK_M),
             descriptor(dk, kr), descriptor(dv, kr), stat_descriptor(stat), stat_descriptor(delta),
+            dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2),
             dq_accum, dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
-            nheads, nheads_kv, seqlen_q, seqlen_k,
+            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            cfg.dq_split, cfg.loader_regs, cfg.consumer_regs]
+            cfg.dq_split, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
 
 
-def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None, dk=None, dv=None):
+def stats(pb, out, dout, lse):
+    """(stat, delta): lse_log2 and Delta = rowsum(dO * O) of every query row, in fp32 buffers
+    padded per sequence to whole BLOCK_M-row tiles (``common.stat_row0``): dense (batch,
+    heads, seqlen_pad), varlen (1, heads, ``common.stat_rows``)."""
+    if pb.varlen:
+        shape = (1, pb.nheads, stat_rows(pb.total_q, pb.batch, BLOCK_M))
+    else:
+        shape = (pb.batch, pb.nheads, ceil_div(pb.seqlen_q, BLOCK_M) * BLOCK_M)
+    stat = torch.empty(shape, dtype=torch.float32, device=out.device)
+    delta = torch.empty(shape, dtype=torch.float32, device=out.device)
+    o4, do4 = pb.view(out), pb.view(dout)
+    bwd_stats_kernel[(ceil_div(pb.seqlen_q, BLOCK_M), pb.batch * pb.nheads)](
+        o4, do4, lse, stat, delta, o4.stride(0), o4.stride(1), o4.stride(2),
+        do4.stride(0), do4.stride(1), do4.stride(2), *pb.lse_strides(lse),
+        stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.seq_args[0], pb.seq_args[2],
+        pb.seq_args[4], HEADDIM_V=out.shape[-1], BLOCK_M=BLOCK_M, IS_VARLEN=pb.varlen,
+        HAS_SEQUSED_Q=pb.seq_flags[1],
+    )
+    return stat, delta
+
+
+def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None, dk=None, dv=None,
+        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None):
     """(dq, dk, dv) for dense (batch, seqlen, heads, dim) q/k/v/out/dout and lse (batch,
-    heads, seqlen_q) fp32 natural log, as the forward returns it. Given dq/dk/dv (any strides,
-    e.g. views of one packed dqkv) are written; dk/dv that TMA cannot store to directly are
-    computed into contiguous buffers and copied. The case must be one
+    heads, seqlen_q) fp32 natural log, as the forward returns it, or varlen (total, heads,
+    dim) tensors with lse (heads, total_q) and ``cu_seqlens_q/k`` (``seqused_q/k``). Given
+    dq/dk/dv (any strides, e.g. views of one packed dqkv) are written; dk/dv that TMA cannot
+    store to directly are computed into contiguous buffers and copied. The case must be one
     ``dispatch.hopper_bwd_supports`` accepts (the dispatch checks it once, before calling).
 
     dK/dV: ``hopper_bwd_kernel``, or ``bwd256`` at head dim 256. dQ: the Gluon dQ kernel
-    (``cfg.gluon_dq``), the portable ``bwd_dq_kernel``, or, with ``cfg.atomic_dq`` and not
-    ``deterministic``, fp32 atomics inside the dK/dV kernel (dq = dq_accum * scale)."""
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    (``cfg.gluon_dq``), the portable ``bwd_dq_kernel`` (dense only), or, with ``cfg.atomic_dq``
+    and not ``deterministic`` (dense only), fp32 atomics inside the dK/dV kernel
+    (dq = dq_accum * scale)."""
+    pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    d = q.shape[-1]
     cfg = cfg or configs.SM90_HOPPER_BWD[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()
     dq = portable.alloc_output(q.shape, q.dtype, q.device) if dq is None else dq
     dk_out = portable.alloc_output(k.shape, k.dtype, k.device) if dk is None else dk
     dv_out = portable.alloc_output(v.shape, v.dtype, v.device) if dv is None else dv
-    if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
+    if pb.empty():
         return dq.zero_(), dk_out.zero_(), dv_out.zero_()
     # TMA stores need 16-byte aligned strides; anything else goes through a contiguous buffer
     dk = dk_out if tma_compatible(dk_out) else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = dv_out if tma_compatible(dv_out) else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq_out = dq if tma_compatible(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if pb.varlen:  # rows no sequence covers (cu_seqlens gaps, past seqused) get zeros
+        dq_out.zero_(), dk.zero_(), dv.zero_()
+    stat, delta = stats(pb, out, dout, lse)
 
-    # lse_log2 / Delta padded to whole query tiles (TMA boxes stay inside; the pad is +inf / 0)
-    seqlen_pad = ceil_div(seqlen_q, BLOCK_M) * BLOCK_M
-    stat = torch.empty((batch, nheads, seqlen_pad), dtype=torch.float32, device=q.device)
-    delta = torch.empty((batch, nheads, seqlen_pad), dtype=torch.float32, device=q.device)
-    bwd_stats_kernel[(seqlen_pad // BLOCK_M, batch * nheads)](
-        out, dout, lse, stat, delta, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-        stat.stride(0), stat.stride(1), nheads, seqlen_q,
-        HEADDIM_V=v.shape[-1], BLOCK_M=BLOCK_M,
-    )
-
-    atomic_dq = cfg.atomic_dq and not deterministic
-    grid = (ceil_div(seqlen_k, cfg.block_n), nheads_kv, batch)
+    q4, k4, v4, do4, dk4, dv4 = (pb.view(x) for x in (q, k, v, dout, dk, dv))
+    atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen
+    grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
-        bwd256.launch(q, k, v, dout, dk, dv, stat, delta, params, cfg.stages, cfg.ds_wg1)
+        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1)
         atomic_dq = False
     elif atomic_dq:
-        dq_accum = torch.zeros((batch, seqlen_q, nheads, d), dtype=torch.float32, device=q.device)
-        hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dq_accum,
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum,
                                               params, cfg, True), num_warps=4)
         dq.copy_(dq_accum.mul_(params.softmax_scale))
     else:
         dummy = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)  # never touched
-        hopper_bwd_kernel[grid](*_kernel_args(q, k, v, dout, dk, dv, stat, delta, dummy,
+        hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dummy,
                                               params, cfg, False), num_warps=4)
     if not atomic_dq:
-        if cfg.gluon_dq:
-            dq_out = dq if tma_compatible(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            bwd_dq.launch(q, k, v, dout, dq_out, stat, delta, params, cfg.dq_block_n, cfg.dq_stages)
+        if cfg.gluon_dq or pb.varlen:
+            bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
+                          cfg.dq_stages)
             if dq_out is not dq:
                 dq.copy_(dq_out)
             return _finish(dq, dk, dk_out, dv, dv_out)
         # the portable dQ kernel reads LSE and Delta with one set of strides
         s = portable._seq_args(q, k, None, None, None, None, params)
-        portable.launch_dq(q, k, v, dout, lse.contiguous(), delta[:, :, :seqlen_q].contiguous(), dq,
+        portable.launch_dq(q, k, v, dout, lse.contiguous(), delta[:, :, :pb.seqlen_q].contiguous(), dq,
                            s, params, configs.SM90_BWD[d],
                            portable._common_flags(q, v, params, upcast=False))
     return _finish(dq, dk, dk_out, dv, dv_out)

@@ -50,7 +50,7 @@ HALF = 128     # head-dim columns per warpgroup
 def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-               batch, head_kv, group, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
+               tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr):
@@ -131,9 +131,10 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
-    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, batch, head_kv, key0,
-                len_k, 0, o_layout)
-    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, batch, head_kv, key0, len_k, 0, o_layout)
+    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
+                start_k, key0, len_k, 0, o_layout)
+    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, 0,
+                o_layout)
 
 
 @gluon.jit
@@ -155,7 +156,7 @@ def _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
 def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-               batch, head_kv, group, key0, len_k, m_min, m_max, softmax_scale,
+               tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
                STAGES: gl.constexpr, DS_WG1: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, 256)."""
@@ -204,31 +205,34 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
             mbarrier.arrive(pt_free)
             mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
-    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, batch, head_kv, key0,
-                len_k, H, o_layout)
-    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, batch, head_kv, key0, len_k, H, o_layout)
+    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
+                start_k, key0, len_k, H, o_layout)
+    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, H,
+                o_layout)
 
 
 @gluon.jit
-def _store_half(acc, PTR, stride_b, stride_n, stride_h, batch, head_kv, key0, len_k,
+def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, start_k, key0, len_k,
                 COL0: gl.constexpr, layout: gl.constexpr):
-    """A [64 keys, 128] fp32 accumulator -> columns [COL0, COL0 + 128) of dK or dV."""
+    """A [64 keys, 128] fp32 accumulator -> columns [COL0, COL0 + 128) of dK or dV, rows
+    ``start_k + key0 + i`` for the sequence's keys ``key0 + i < len_k``."""
     KN: gl.constexpr = acc.shape[0]
     H: gl.constexpr = acc.shape[1]
     keys = key0 + gl.arange(0, KN, layout=gl.SliceLayout(1, layout))
     cols = COL0 + gl.arange(0, H, layout=gl.SliceLayout(0, layout))
-    ptrs = (PTR + batch.to(gl.int64) * stride_b + head_kv.to(gl.int64) * stride_h
-            + gl.expand_dims(keys.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0))
+    ptrs = (PTR + tma_batch.to(gl.int64) * stride_b + head_kv.to(gl.int64) * stride_h
+            + gl.expand_dims((start_k + keys).to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0))
     gl.store(ptrs, acc.to(PTR.dtype.element_ty), mask=gl.expand_dims(keys < len_k, 1))
 
 
 @gluon.jit
 def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                         nheads, nheads_kv, seqlen_q, seqlen_k,
+                         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr,
+                         SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
+                         HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
@@ -238,9 +242,10 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
 
-    batch, head_kv, group, key0, m_min, m_full_min, m_full_max, m_max = _key_tile(
-        nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right, BM, KN,
-        HAS_LEFT, HAS_RIGHT)
+    (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
+     m_min, m_full_min, m_full_max, m_max) = _key_tile(
+        nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+        window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
 
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, H], dtype)
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, BM], dtype)
@@ -272,39 +277,39 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
         [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                       batch, head_kv, group, key0, seqlen_q, seqlen_k,
+                       tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                        STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                       batch, head_kv, group, key0, seqlen_k, m_min, m_max, softmax_scale, STAGES, DS_WG1)),
+                       tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
+                       STAGES, DS_WG1)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                        batch, head_kv, group, key0, m_min, m_max, 2, STAGES, True))],
+                        tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
+                        2, STAGES, True))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
+def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
                 loader_regs=24, consumer_regs=240):
-    """(grid, args) of ``hopper_bwd256_kernel``; ``stat`` / ``delta`` are the padded buffers of
-    ``hopper.bwd.bwd_stats_kernel``."""
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``."""
+    d = q.shape[-1]
     assert d == 2 * HALF and v.shape[-1] == d, "head dim 256 only"
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, BLOCK_M, HALF), descriptor(k, BLOCK_N, HALF), descriptor(v, BLOCK_N, HALF),
             descriptor(dout, BLOCK_M, HALF), stat_descriptor(stat), stat_descriptor(delta),
             dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            nheads, nheads_kv, seqlen_q, seqlen_k,
+            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            ds_wg1 and params.softcap == 0.0, loader_regs, consumer_regs]
-    return (ceil_div(seqlen_k, BLOCK_N), nheads_kv, batch), args
+            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs]
+    return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 
-def launch(q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):
-    grid, args = kernel_args(q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1)
+def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):
+    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1)
     hopper_bwd256_kernel[grid](*args, num_warps=4)
-

@@ -1,6 +1,5 @@
-"""Hopper (sm90) dQ kernel in Gluon: the backward's dQ pass with the forward's structure.
-DRAFT, not dispatched: compiles for sm_90a (``compile_check --bwd-dq``); the GPU check is
-``scripts/hopper_bwd_probe.py check --config dq_kernel=1``.
+"""Hopper (sm90) dQ kernel in Gluon: the backward's dQ pass with the forward's structure,
+dispatched at every Hopper head dim (``hopper/bwd.py::bwd``), dense or varlen.
 
 One CTA owns ``NUM_CONSUMERS * 64`` query rows of one (batch, head):
 
@@ -28,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh, visible
-from .common import _acc_layout, _query_tile, _tma_view, descriptor
+from .common import _acc_layout, _seq_query_tile, _store_rows, _tma_view, descriptor, stat_row0
 
 ROWS_PER_CONSUMER = 64
 
@@ -36,18 +35,22 @@ ROWS_PER_CONSUMER = 64
 @gluon.jit
 def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                kv_ready, kv_free, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+               total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                window_left, window_right, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+               HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
-        gl.program_id(0), num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, window_left,
-        window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
+     n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
+        gl.program_id(0), num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+        CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
+        HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
     mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [batch, row0 + c * BM, head, 0], q_ready,
+        tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
                                         _tma_view(q_bufs.index(c), q_desc))
-        tma.async_copy_global_to_shared(do_desc, [batch, row0 + c * BM, head, 0], q_ready,
+        tma.async_copy_global_to_shared(do_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
                                         _tma_view(do_bufs.index(c), do_desc))
     for it in range(n_max - n_min):
         n = n_min + it
@@ -55,10 +58,10 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
         # a fresh barrier counts as having completed the phase before 0
         mbarrier.wait(kv_free.index(stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, n * BLOCK_N, head_kv, 0], kv_ready.index(stage),
-                                        _tma_view(k_ring.index(stage), k_desc))
-        tma.async_copy_global_to_shared(v_desc, [batch, n * BLOCK_N, head_kv, 0], kv_ready.index(stage),
-                                        _tma_view(v_ring.index(stage), v_desc))
+        tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+                                        kv_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+                                        kv_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
 
 
 @gluon.jit
@@ -107,11 +110,14 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
 
 
 @gluon.jit
-def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_desc, STAT, DELTA,
-                 stride_sb, stride_sh, num_m_blocks, nheads, nheads_kv, len_q, len_k,
+def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_desc,
+                 DQ, stride_dqm, stride_dqh, STAT, DELTA,
+                 stride_sb, stride_sh, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                 total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                  qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
+                 IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -119,14 +125,17 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, dtype)
     o_layout: gl.constexpr = _acc_layout(D, dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max = _query_tile(
-        gl.program_id(0), num_m_blocks, nheads, nheads_kv, len_q, len_k, window_left,
-        window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
+     n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
+        gl.program_id(0), num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+        CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
+        HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
     row_start = row0 + CID * BM
     rows = row_start + gl.arange(0, BM, layout=row_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    # rows past len_q: lse_log2 = +inf, so P = 0 there
-    stat_off = batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + rows
+    # rows past len_q: lse_log2 = +inf, so P = 0 there (the stats rows of hopper/bwd.py: BM each)
+    stat_off = (tma_batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh
+                + stat_row0(batch, start_q, IS_VARLEN, BM) + rows)
     lse = gl.load(STAT + stat_off, mask=rows < len_q, other=float("inf"))
     delta = gl.load(DELTA + stat_off, mask=rows < len_q, other=0.0)
     dq = gl.zeros([BM, D], gl.float32, o_layout)
@@ -140,17 +149,24 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
                           STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [batch, row_start, head, 0], _tma_view(q_buf, dq_desc))
-    tma.store_wait(0)
+    if IS_VARLEN:  # a TMA box would run into the next sequence's rows
+        _store_rows(q_buf, DQ + head.to(gl.int64) * stride_dqh + (start_q + row_start).to(gl.int64) * stride_dqm,
+                    stride_dqm, len_q - row_start)
+    else:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [tma_batch, row_start, head, 0], _tma_view(q_buf, dq_desc))
+        tma.store_wait(0)
 
 
 @gluon.jit
-def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, STAT, DELTA, stride_sb, stride_sh,
+def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, stride_dqh,
+                     STAT, DELTA, stride_sb, stride_sh,
                      nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks,
+                     total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                      qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                      STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                     IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -177,39 +193,43 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, STAT, DELTA, stri
 
     gl.warp_specialize(
         [(_dq_consumer, (q_bufs.index(0), do_bufs.index(0), q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
-                         nheads, nheads_kv, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
+                         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                         CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
-                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0)),
+                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
          (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
-                         nheads, nheads_kv, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
+                         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                         CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
-                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1)),
+                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
          (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                        kv_ready, kv_free, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
-                       window_left, window_right, NUM_CONSUMERS, STAGES, HAS_LEFT, HAS_RIGHT))],
+                       total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                       window_left, window_right, NUM_CONSUMERS, STAGES, HAS_LEFT, HAS_RIGHT,
+                       IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def kernel_args(q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
+def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
                 loader_regs=24, consumer_regs=240):
-    """Launch arguments of ``hopper_dq_kernel`` (dense (batch, seqlen, heads, dim) tensors,
-    ``stat`` / ``delta`` the padded (batch, heads, seqlen_pad) buffers); returns (grid, args)."""
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
-    num_m_blocks = ceil_div(seqlen_q, bm * num_consumers)
+    num_m_blocks = ceil_div(pb.seqlen_q, bm * num_consumers)
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, bm), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, bm),
-            descriptor(dq, bm), stat, delta, stat.stride(0), stat.stride(1),
-            nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks,
+            descriptor(dq, bm), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
+            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
-            params.softcap > 0.0, loader_regs, consumer_regs]
-    return (num_m_blocks * nheads * batch,), args
+            params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs]
+    return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
-def launch(q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2):
-    grid, args = kernel_args(q, k, v, dout, dq, stat, delta, params, block_n, stages)
+def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2):
+    grid, args = kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages)
     hopper_dq_kernel[grid](*args, num_warps=4)

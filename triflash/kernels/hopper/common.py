@@ -3,6 +3,8 @@
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -46,7 +48,7 @@ def _seq_query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, t
         m_block, len_q, len_k, window_left, window_right,
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if IS_VARLEN:
-        tma_batch = 0
+        tma_batch = batch * 0
         if m_block * BLOCK_M >= len_q:
             n_full_min = n_min
             n_full_max = n_min
@@ -57,32 +59,75 @@ def _seq_query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, t
             n_min, n_full_min, n_full_max, n_max)
 
 
-@gluon.jit
-def _query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
-                window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """``_seq_query_tile`` of a dense batch -> (batch, head, head_kv, first row, key block
-    range)."""
-    _, batch, head, head_kv, _, _, _, _, row0, n_min, n_full_min, n_full_max, n_max = _seq_query_tile(
-        tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, seqlen_q, seqlen_k,
-        0, 0, 0, 0, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-        False, False, False)
-    return batch, head, head_kv, row0, n_min, n_full_min, n_full_max, n_max
+@triton.jit
+def stat_row0(batch, start_q, IS_VARLEN: tl.constexpr, BM: tl.constexpr):
+    """First row of sequence ``batch`` in the backward's per-row statistics buffers (lse_log2,
+    Delta). Dense: (batch, heads, seqlen_pad), row 0 of its batch. Varlen: (1, heads,
+    total_pad) with every sequence at a multiple of ``BM`` and at least one padded tile
+    apart, ``(start_q + batch * BM) // BM * BM``: a BM-row TMA box of the sequence's last
+    query block stays in its own rows, which the stats kernel fills with +inf / 0, as the
+    dense padding."""
+    if IS_VARLEN:
+        return (start_q + batch * BM) // BM * BM
+    else:
+        return start_q * 0
+
+
+def stat_rows(total_q: int, batch: int, bm: int) -> int:
+    """Rows per head of the varlen statistics buffers (``stat_row0``): every sequence fits."""
+    return (total_q + batch * bm + bm - 1) // bm * bm
 
 
 @gluon.jit
-def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, window_left, window_right,
+def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+              CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """This CTA's key block of a dK/dV kernel (grid: key blocks, KV heads, batch) ->
-    (batch, head_kv, GQA group size, first key, query block range)."""
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+              HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
+    """This CTA's key block of a dK/dV kernel (grid: key blocks, KV heads, batch), dense or
+    varlen -> (tma_batch, head_kv, group size, start_q, len_q, start_k, len_k, stat row 0,
+    first key, query block range). Keys and query blocks are relative to the sequence; TMA
+    boxes start at ``start_q`` / ``start_k`` / ``stat row 0`` plus them, in batch
+    ``tma_batch`` (0 for varlen tensors, seen as (1, total, h, d)). A varlen key block past
+    its sequence's end visits nothing (and must store nothing)."""
     n_block = gl.program_id(0)
     head_kv = gl.program_id(1)
     batch = gl.program_id(2)
     group = nheads // nheads_kv
+    start_q, len_q, start_k, len_k = seqlen_info(
+        batch, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+        IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
     m_min, m_full_min, m_full_max, m_max = m_block_range(
-        n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    return batch, head_kv, group, n_block * BLOCK_N, m_min, m_full_min, m_full_max, m_max
+        n_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if IS_VARLEN:
+        tma_batch = batch * 0
+        if n_block * BLOCK_N >= len_k:
+            m_full_min = m_min
+            m_full_max = m_min
+            m_max = m_min
+    else:
+        tma_batch = batch
+    return (tma_batch, head_kv, group, start_q, len_q, start_k, len_k,
+            stat_row0(batch, start_q, IS_VARLEN, BLOCK_M), n_block * BLOCK_N,
+            m_min, m_full_min, m_full_max, m_max)
+
+
+@gluon.jit
+def _store_rows(buf, PTR, stride_row, nrows):
+    """Rows [0, nrows) of the 2D shared tile ``buf`` to ``PTR + row * stride_row + col``
+    (``PTR``: its first row and column), where a TMA box would run into the next varlen
+    sequence's rows: 8 or 16 rows per step (8-16 elements per thread keep the 64-bit
+    addresses in few registers; 8 rows at least, the tile's swizzle period)."""
+    R: gl.constexpr = buf.shape[0]
+    C: gl.constexpr = buf.shape[1]
+    TC: gl.constexpr = 16 if C >= 128 else C // 8
+    CH: gl.constexpr = 4 * (32 // TC)
+    blk: gl.constexpr = gl.BlockedLayout([1, C // TC], [32 // TC, TC], [4, 1], [1, 0])
+    cols = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, blk)), 0)
+    for r in gl.static_range(0, R, CH):
+        rows = r + gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
+        gl.store(PTR + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + cols,
+                 buf.slice(r, CH).load(blk), mask=gl.expand_dims(rows < nrows, 1))
 
 
 def _gl_dtype(dtype):
@@ -132,3 +177,44 @@ def tma_compatible(*tensors) -> bool:
         if any((s * x.element_size()) % 16 for s in x.stride()[:-1]):
             return False
     return True
+
+
+class Problem:
+    """Host-side view of a dense or varlen batch as the Hopper kernels take it: 4D (batch,
+    seqlen, heads, dim) tensors, varlen ones as (1, total, heads, dim) views with per-sequence
+    starts and lengths from ``cu_seqlens`` / ``seqused`` (``common.seqlen_info``);
+    ``seqlen_q`` / ``seqlen_k`` bound a sequence's length (the launch grids)."""
+    __slots__ = ("varlen", "batch", "nheads", "nheads_kv", "seqlen_q", "seqlen_k",
+                 "total_q", "total_k", "seq_args", "seq_flags")
+
+    def __init__(self, q, k, params, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                 seqused_k=None):
+        self.varlen = cu_seqlens_q is not None
+        self.nheads, self.nheads_kv = q.shape[-2], k.shape[-2]
+        if self.varlen:
+            self.batch = cu_seqlens_q.shape[0] - 1
+            self.seqlen_q, self.seqlen_k = params.max_seqlen_q, params.max_seqlen_k
+            self.total_q, self.total_k = q.shape[0], k.shape[0]
+        else:
+            self.batch, self.seqlen_q = q.shape[0], q.shape[1]
+            self.seqlen_k = k.shape[1]
+            self.total_q, self.total_k = self.seqlen_q, self.seqlen_k
+        dummy = q  # never dereferenced when the matching flag is off
+        self.seq_args = (self.total_q, self.total_k,
+                         cu_seqlens_q if self.varlen else dummy, cu_seqlens_k if self.varlen else dummy,
+                         seqused_q if seqused_q is not None else dummy,
+                         seqused_k if seqused_k is not None else dummy)
+        self.seq_flags = (self.varlen, seqused_q is not None, seqused_k is not None)
+
+    def view(self, x):
+        """x as the kernels' 4D tensor (lse / stat buffers: 3D)."""
+        return x.unsqueeze(0) if self.varlen else x
+
+    def lse_strides(self, lse):
+        """(batch, head, row) strides of lse: (batch, heads, seqlen_q), or varlen (heads, total_q)."""
+        return (0, *lse.stride()) if self.varlen else lse.stride()
+
+    def empty(self) -> bool:
+        """No query sees any key: every output / gradient is its empty value."""
+        return (self.batch == 0 or self.nheads == 0 or self.seqlen_q == 0 or self.seqlen_k == 0
+                or self.total_q == 0 or self.total_k == 0)

@@ -50,8 +50,9 @@ def _compile(kernel, args) -> dict:
                 atomics=ptx.count("red.global") + ptx.count("atom.global"), ptx=ptx)
 
 
-def _problem(headdim, dtype, feature):
-    """Small CPU tensors (shapes only specialize strides) and the AttnParams of ``feature``."""
+def _problem(headdim, dtype, feature, varlen=False):
+    """Small CPU tensors (shapes only specialize strides), the AttnParams of ``feature`` and
+    (cu_seqlens, seqused_k): None, or with ``varlen`` packed (total, heads, dim) tensors."""
     import torch
 
     from ..portable import AttnParams
@@ -61,7 +62,34 @@ def _problem(headdim, dtype, feature):
     q = torch.empty(b, s, h, headdim, dtype=tdt)
     k, v = torch.empty(b, s, hk, headdim, dtype=tdt), torch.empty(b, s, hk, headdim, dtype=tdt)
     p = AttnParams(headdim ** -0.5, left, 0 if causal else -1, softcap, s, s)
-    return q, k, v, p
+    cu = used = None
+    if varlen:
+        q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+        cu, used = torch.zeros(b + 1, dtype=torch.int32), torch.zeros(b, dtype=torch.int32)
+    return q, k, v, p, cu, used
+
+
+def _lse(q, cu):
+    import torch
+    return torch.empty(q.shape[1], q.shape[0]) if cu is not None else torch.empty(q.shape[0], q.shape[2], q.shape[1])
+
+
+def _backward(headdim, dtype, feature, varlen):
+    """(Problem, 4D views of q, k, v, dout, dq, dk, dv, the stats buffers, params) of a
+    backward, as ``hopper.bwd.bwd`` builds them."""
+    import torch
+
+    from . import bwd as B
+    from .common import Problem, stat_rows
+    q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
+    pb = Problem(q, k, p, cu, cu, None, used)
+    if varlen:
+        shape = (1, pb.nheads, stat_rows(pb.total_q, pb.batch, B.BLOCK_M))
+    else:
+        shape = (pb.batch, pb.nheads, -(-pb.seqlen_q // B.BLOCK_M) * B.BLOCK_M)
+    tensors = [pb.view(x) for x in (q, k, v, torch.empty_like(q), torch.empty_like(q),
+                                    torch.empty_like(k), torch.empty_like(v))]
+    return pb, tensors, torch.empty(shape), torch.empty(shape), p
 
 
 def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False) -> dict:
@@ -72,14 +100,8 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False) ->
     from .. import configs
     from . import fwd as H
     cfg = configs.SM90_HOPPER_FWD[headdim]
-    q, k, v, p = _problem(headdim, dtype, feature)
-    out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1])
-    cu = used = None
-    if varlen:
-        q, k, v, out = (x.flatten(0, 1) for x in (q, k, v, out))
-        lse = torch.empty(q.shape[1], q.shape[0])
-        cu, used = torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-    _, args = H.kernel_args(q, k, v, out, lse, p, cfg, cu, cu, None, used)
+    q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
+    _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages)
     if varlen:
@@ -87,47 +109,42 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False) ->
     return dict(row, **_compile(H.hopper_fwd_kernel, args))
 
 
-def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False, cfg=None) -> dict:
+def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False, cfg=None,
+                varlen: bool = False) -> dict:
     """The dK/dV kernel the dispatch runs at ``headdim`` with the tile of
     ``configs.SM90_HOPPER_BWD`` (or ``cfg``): ``hopper/bwd.py``'s, or ``hopper/bwd256.py``'s
-    at head dim 256; ``atomic_dq``: the experimental in-kernel dQ (not dispatched)."""
+    at head dim 256; ``atomic_dq``: the experimental in-kernel dQ (not dispatched);
+    ``varlen``: packed sequences."""
     import torch
-    import triton
 
     from .. import configs
     from . import bwd as B
     cfg = cfg or configs.SM90_HOPPER_BWD[headdim]
-    q, k, v, p = _problem(headdim, dtype, feature)
-    b, s, h = q.shape[0], q.shape[1], q.shape[2]
-    pad = triton.cdiv(s, B.BLOCK_M) * B.BLOCK_M
-    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
+    pb, (q, k, v, do, _, dk, dv), stat, delta, p = _backward(headdim, dtype, feature, varlen)
     row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq, stages=cfg.stages)
+    if varlen:
+        row["varlen"] = True
     if headdim in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
-        _, args = bwd256.kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                                     stat, delta, p, cfg.stages, cfg.ds_wg1)
+        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1)
         return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
-    args = B._kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                          stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
+    args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
 
-def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2) -> dict:
+def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
+               varlen: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring."""
-    import torch
-    import triton
-
+    ``stages``-deep ring; ``varlen``: packed sequences."""
     from . import bwd_dq as Q
-    q, k, v, p = _problem(headdim, dtype, feature)
-    b, s, h = q.shape[0], q.shape[1], q.shape[2]
-    pad = triton.cdiv(s, 64) * 64
-    stat, delta = torch.empty(b, h, pad), torch.empty(b, h, pad)
-    _, args = Q.kernel_args(q, k, v, torch.empty_like(q), torch.empty_like(q), stat, delta, p,
-                            block_n, stages)
-    return dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
-                block_n=block_n, stages=stages, **_compile(Q.hopper_dq_kernel, args))
+    pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages)
+    row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
+               block_n=block_n, stages=stages)
+    if varlen:
+        row["varlen"] = True
+    return dict(row, **_compile(Q.hopper_dq_kernel, args))
 
 
 def all_fwd(dtypes=("bf16", "fp16")):
@@ -139,17 +156,23 @@ def all_fwd(dtypes=("bf16", "fp16")):
 
 
 def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
+    """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16."""
     from .. import configs
-    return [compile_bwd(d, dt, f, a) for d in sorted(configs.SM90_HOPPER_BWD) for dt in dtypes
-            for f in FEATURES for a in atomic if not (a and d == 256)]
+    dims = sorted(configs.SM90_HOPPER_BWD)
+    return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes
+             for f in FEATURES for a in atomic if not (a and d == 256)]
+            + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES])
 
 
 def all_dq(dtypes=("bf16", "fp16")):
-    """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it."""
+    """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it,
+    dense in both dtypes and varlen in bf16."""
     from .. import configs
-    return [compile_dq(d, dt, f, c.dq_block_n, c.dq_stages)
-            for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq
-            for dt in dtypes for f in FEATURES]
+    tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
+    return ([compile_dq(d, dt, f, c.dq_block_n, c.dq_stages) for d, c in tiles
+             for dt in dtypes for f in FEATURES]
+            + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=True) for d, c in tiles
+               for f in FEATURES])
 
 
 def code_of(ptx: str) -> str:

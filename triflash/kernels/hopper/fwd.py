@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, scores, visible
-from .common import _acc_layout, _seq_query_tile, _tma_view, descriptor
+from .common import Problem, _acc_layout, _seq_query_tile, _store_rows, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -244,20 +244,9 @@ def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_fr
                  + (start_q + rows).to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
         # O goes out through this consumer's Q tile: every wgmma reading it has retired.
         q_buf.store(out.to(q_buf.dtype))
-        if IS_VARLEN:
-            # a TMA box would run into the next sequence's rows: masked stores, 8 or 16 rows
-            # at a time (8-16 elements per thread: few registers for the 64-bit addresses;
-            # 8 rows at least, the swizzle pattern of the tile)
-            TC: gl.constexpr = 16 if DV >= 128 else DV // 8
-            CH: gl.constexpr = 4 * (32 // TC)
-            blk: gl.constexpr = gl.BlockedLayout([1, DV // TC], [32 // TC, TC], [4, 1], [1, 0])
-            o_cols = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, blk)), 0)
-            for r in gl.static_range(0, BM, CH):
-                o_rows = start_q + row_start + r + gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
-                gl.store(O + head.to(gl.int64) * stride_oh
-                         + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + o_cols,
-                         q_buf.slice(r, CH).load(blk),
-                         mask=gl.expand_dims(o_rows < start_q + len_q, 1))
+        if IS_VARLEN:  # a TMA box would run into the next sequence's rows
+            _store_rows(q_buf, O + head.to(gl.int64) * stride_oh + (start_q + row_start).to(gl.int64) * stride_om,
+                        stride_om, len_q - row_start)
         else:
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [tma_batch, row_start, head, 0], _tma_view(q_buf, o_desc))
@@ -337,10 +326,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
 # ---- host side --------------------------------------------------------------------------
 
 HEAD_DIMS = (64, 128, 256)
-# Varlen (cu_seqlens / seqused) through this kernel: compiled for sm_90a (CI), not yet run on
-# an H200, so the dispatch keeps varlen on the portable forward until the GPU test
-# (tests/test_hopper_tier.py::test_hopper_fwd_varlen, which switches this on) passes.
-VARLEN = False
+# Varlen (cu_seqlens / seqused) through this kernel: 24 of 24 GPU cases passed at 4cf91bc
+# (benchmarks/results/probes/hopper-fwd-varlen-tests-4cf91bc.txt).
+VARLEN = True
 
 
 _NUM_SMS = {}
@@ -357,36 +345,21 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     """(grid, args) of ``hopper_fwd_kernel``: dense (batch, seqlen, heads, dim) tensors with
     lse (batch, heads, seqlen_q), or varlen (total, heads, dim) with ``cu_seqlens_q/k`` and
     lse (heads, total_q), ``params.max_seqlen_q`` bounding a sequence's query blocks."""
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        batch, (total_q, nheads, d), (total_k, nheads_kv) = cu_seqlens_q.shape[0] - 1, q.shape, k.shape[:2]
-        seqlen_q, seqlen_k = params.max_seqlen_q, params.max_seqlen_k
-        q4, k4, v4, o4 = (x.unsqueeze(0) for x in (q, k, v, out))  # (1, total, heads, dim) views
-        lse_strides = (0, lse.stride(0), lse.stride(1))
-    else:
-        batch, seqlen_q, nheads, d = q.shape
-        seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-        total_q, total_k = seqlen_q, seqlen_k
-        q4, k4, v4, o4 = q, k, v, out
-        lse_strides = lse.stride()
+    pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    q4, k4, v4, o4 = (pb.view(x) for x in (q, k, v, out))
     bm = ROWS_PER_CONSUMER
-    num_m_blocks = ceil_div(seqlen_q, bm * cfg.num_consumers)
-    num_tiles = num_m_blocks * nheads * batch
+    num_m_blocks = ceil_div(pb.seqlen_q, bm * cfg.num_consumers)
+    num_tiles = num_m_blocks * pb.nheads * pb.batch
     # persistent: one CTA per SM walks tiles tile, tile + grid, ...; else one CTA per tile
     grid = (min(num_tiles, num_sms) if cfg.persistent else num_tiles,)
     qk_scale, softcap_log2 = params.score_constants()
-    dummy = lse  # never dereferenced when the matching flag is off
     args = [descriptor(q4, bm), descriptor(k4, cfg.block_n), descriptor(v4, cfg.block_n),
-            descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *lse_strides,
-            nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks, total_q, total_k,
-            cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
-            seqused_q if seqused_q is not None else dummy,
-            seqused_k if seqused_k is not None else dummy,
+            descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
+            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_tiles, num_m_blocks, *pb.seq_args,
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            cfg.pingpong, varlen, seqused_q is not None, seqused_k is not None,
-            cfg.loader_regs, cfg.consumer_regs]
+            cfg.pingpong, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
     return grid, args
 
 
