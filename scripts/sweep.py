@@ -30,28 +30,26 @@ SHAPES = {64: (2, 8192, 32), 128: (2, 8192, 16), 256: (1, 8192, 36)}
 # (separate dQ kernel), as configs.SM90_BWD dispatches it.
 CANDIDATES = {
     256: [
-        F(128, 64, 8, 2), F(128, 64, 8, 2, True), F(128, 32, 8, 3, True),
+        F(128, 64, 8, 2), F(128, 32, 8, 3), F(64, 32, 4, 2), F(64, 64, 4, 1), F(64, 32, 4, 1),
         B(32, 128, 8, 2, 128, 32, 8, 2, False, True),
         B(32, 128, 8, 3, 128, 32, 8, 2, False, True), B(32, 128, 8, 3, 128, 32, 8, 3, False, True),
         B(16, 128, 8, 4, 128, 32, 8, 3, False, True), B(32, 128, 8, 3, 64, 32, 4, 3, False, True),
     ],
     128: [
-        F(128, 128, 8, 3), F(128, 128, 8, 3, True), F(128, 64, 8, 3, True),
+        F(128, 128, 8, 3), F(128, 64, 8, 3),
         B(64, 128, 8, 2, 128, 64, 8, 2, False), B(64, 128, 8, 2, 128, 64, 8, 3, False),
         B(64, 128, 8, 3, 128, 64, 8, 3, False), B(64, 128, 8, 2, 128, 64, 8, 4, False),
         B(32, 128, 8, 3, 128, 64, 8, 3, False),
     ],
     64: [
-        F(128, 128, 4, 3), F(128, 128, 4, 3, True),
+        F(128, 128, 4, 3),
         B(64, 128, 8, 3, 128, 64, 8, 3, False), B(64, 128, 8, 3, 64, 128, 4, 3, False),
         B(64, 128, 8, 3, 64, 128, 4, 4, False), B(64, 128, 8, 3, 128, 64, 4, 4, False),
         B(64, 128, 8, 4, 64, 128, 4, 3, False),
     ],
 }
-# Measured before (benchmarks/results/sweep-h200-4cf91bc.json, TFLOPS full / causal), the
-# shipped tile first: fwd 256 128x64 s2 486/435 > 128x32 s3 466/441 > 64x64 w4 s3 412/390;
-# bwd 256 dK/dV 32x128 s3 295/270 and dQ s3 270/267 vs 248/243; bwd 128 dQ s3 352/344 vs
-# 332/306; bwd 64 dQ 64x128 w4 315/294 vs 287/270.
+# Measured (TFLOPS full / causal): round 1, benchmarks/results/sweep-h200-4cf91bc.json, and
+# round 2, sweep-h200-25aaea1.json (configs.py has the choices).
 
 
 def _inputs(d, causal):

@@ -211,17 +211,9 @@ def test_empty_problems(shape):
     assert dq.shape == q.shape and torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy-rescale"])
-def test_forward_rescaling(monkeypatch, lazy):
-    """The forward's running-max rescale, eager and lazy (``FwdConfig.lazy_rescale``: the
-    accumulator is rescaled only when a row's max grew by more than 2^8), on scores whose
-    max keeps rising along the keys (so rescales fire and are skipped), causal and not,
-    with and without softcap, whatever tile table the target uses."""
-    import dataclasses
-    from triflash.kernels import configs
-    original = configs.fwd_config
-    monkeypatch.setattr(configs, "fwd_config",
-                        lambda *a: dataclasses.replace(original(*a), lazy_rescale=lazy))
+def test_forward_rescaling():
+    """The forward's running-max rescale (scale folded into exp2 on unmasked blocks) on
+    scores whose max keeps rising along the keys, causal and not, with and without softcap."""
     g = torch.Generator().manual_seed(3)
     b, s, h, d = 1, 300 if DEVICE == "cpu" else 2000, 2, 64
     q = torch.randn(b, s, h, d, generator=g)
@@ -231,7 +223,7 @@ def test_forward_rescaling(monkeypatch, lazy):
     q, k, v = (x.to(DEVICE, torch.float16) for x in (q, k, v))
     for causal, softcap in ((False, 0.0), (True, 0.0), (False, 30.0)):
         kw = dict(softmax_scale=0.5, causal=causal, softcap=softcap)
-        with triflash.force_backend("portable"):  # the forward this tile flag belongs to
+        with triflash.force_backend("portable"):
             out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
         ref, lse_ref = attention_ref(q, k, v, **kw)
         pt, _ = attention_ref(q, k, v, upcast=False, **kw)

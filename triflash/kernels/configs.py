@@ -15,9 +15,6 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    # True: the unmasked key blocks rescale the output accumulator only when a row's max
-    # grew by more than 2^8 (kernels/fwd.py); pays where the accumulator is large (head dim 256)
-    lazy_rescale: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,31 +87,33 @@ INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 
 # Hopper (sm90) through the portable Triton path. Candidates screened on the CPU for spills
 # (``python -m triflash.kernels.sm90_report``), then timed by scripts/sweep.py on the H200
-# (bf16, non-causal, seqlen 8192 at 16k tokens; the seed case 1x8192x36 at head dim 256):
-# benchmarks/results/sweep-h200-6ffbd25.json (measured while the GPU tests shared the card,
-# so read it for ranking, not absolute speed). TFLOPS there, best first:
-#   fwd  64: 128x128 w4 s3 377 > 128x64 w4 363 > 128x128 w8 360
-#   fwd 128: 128x128 w8 s3 479 > 128x64 w8 406
-#   fwd 256: 128x64 w8 s2 486 > 128x32 320 > 64x64 244
-#   bwd  64: dkdv 64x128 + atomic dQ 282 > dkdv 32x128 (no spills) 232-241
-#   bwd 128: dkdv 64x128 + atomic dQ 310 > 16x128 (no spills) 240-284 > split 202-213
-#   bwd 256: split dK/dV 32x128 s2 + dQ kernel 128x32 247 > the same with 16x128 179 >
-#            combined 64x64 + atomic dQ 146 (the tile before this sweep) > combined + dQ kernel 112
-# At 64/128 the separate dQ kernel beat the atomic dQ in the same H200 run
-# (h200-9f1c860.json, triflash-deterministic vs triflash: 128: 329.2 vs 313.0, causal 308.3
-# vs 282.4; 64: 286.7 vs 283.7, causal 272.3 vs 264.7), so atomic_dq=False everywhere on sm90.
-# At 64/128 the larger tiles win despite spilling a few hundred bytes; at 256 two fp32
-# BLOCK_N x 256 accumulators cannot share 255 registers, so dK and dV run as two passes
-# (split_dkdv) with 128-key blocks, and dQ in its own kernel (no atomics).
+# (bf16, seqlen 8192 at 16k tokens; the seed case 1x8192x36 at head dim 256; every backward
+# with the separate dQ kernel, as dispatched). TFLOPS full / causal, best first:
+# benchmarks/results/sweep-h200-25aaea1.json (scale folded into exp2, this forward):
+#   fwd  64: 128x128 w4 s3 407/352;  fwd 128: 128x128 w8 s3 477/459 > 128x64 368/389
+#   fwd 256: 128x64 w8 s2 509/436 > 128x32 s3 430/416 (FlashAttention-4's conditional
+#            rescale measured slower at every head dim: 468/409 at 256, 334/264 at 64)
+#   bwd 256 (split dK/dV 32x128 + dQ 128x32): dK/dV s3 + dQ s3 317/288 > s3 + s2 291/270 >
+#            s2 + s2 250/243 > 16x128 s4 256/224
+#   bwd 128 (dK/dV 64x128 + dQ 128x64): s3 + s3 365/335 > s2 + s3 354/334 > s2 + s2 332/307
+# sweep-h200-4cf91bc.json (round 1, the same kernels before the exp2 fold):
+#   bwd  64 (dK/dV 64x128 s3): dQ 64x128 w4 s3 315/294 ~ 128x64 w4 314/291 > 128x64 w8 287/270
+#   bwd 128: dK/dV 128x128 127/69 and 64x64 w4 242/210 (far behind); dQ 64x128 257/249
+#   bwd 256: dK/dV 64x128 and fwd 64x128 do not fit in shared memory
+# sweep-h200-6ffbd25.json (older, measured while the GPU tests shared the card): atomic dQ
+# inside the dK/dV kernel vs the separate dQ kernel; the H200 benchmark then confirmed the
+# separate dQ kernel faster at 64/128 (h200-9f1c860.json: 128 329.2 vs 313.0, causal 308.3
+# vs 282.4), so atomic_dq=False everywhere on sm90. At 256 two fp32 BLOCK_N x 256
+# accumulators cannot share 255 registers, so dK and dV run as two passes (split_dkdv).
 SM90_FWD = {
     64: FwdConfig(128, 128, 4, 3),
     128: FwdConfig(128, 128, 8, 3),
     256: FwdConfig(128, 64, 8, 2),
 }
 SM90_BWD = {
-    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, atomic_dq=False),
-    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, atomic_dq=False),
-    256: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2, atomic_dq=False, split_dkdv=True),
+    64: BwdConfig(64, 128, 8, 3, 64, 128, 4, 3, atomic_dq=False),
+    128: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, atomic_dq=False),
+    256: BwdConfig(32, 128, 8, 3, 128, 32, 8, 3, atomic_dq=False, split_dkdv=True),
 }
 
 # Hopper tier forward (Gluon), by head dim (= headdim_v). Shared memory (bf16): Q 2 x 64 x D,

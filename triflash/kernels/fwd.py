@@ -26,7 +26,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEADDIM
     dv_ok = offs_dv < HEADDIM_V
@@ -65,20 +65,13 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                 m_new = tl.maximum(m_i, tl.max(s, 1))
             else:
                 m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            if LAZY_RESCALE:
-                # Keep the running max (and skip rescaling the accumulator) unless some row's
-                # max grew by more than 8 (log2 units): P stays <= 2^8, exact once l_i
-                # divides it out (FlashAttention-4's conditional rescaling).
-                if tl.max(m_new - m_i, 0) > 8.0:
-                    alpha = tl.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    m_i = m_new
-            else:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
+            # (Rescaling only when a row's max grew by more than 2^8, FlashAttention-4's
+            # conditional rescale, measured slower here at every head dim: the branch breaks
+            # Triton's software pipeline; benchmarks/results/sweep-h200-25aaea1.json.)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
             if SOFTCAP:
                 p = tl.exp2(s - m_i[:, None])
             else:
@@ -103,7 +96,7 @@ def flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr, LAZY_RESCALE: tl.constexpr = False,
+    UPCAST: tl.constexpr,
 ):
     # Query blocks of one head are adjacent in launch order (shared K/V in L2); the last
     # (longest, under causal) query block goes first.
@@ -143,17 +136,17 @@ def flash_fwd_kernel(
                                n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, LAZY_RESCALE)
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, LAZY_RESCALE)
+                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, LAZY_RESCALE)
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
 
     # A row that saw no key: output 0, lse = -inf (never NaN).
     seen = l_i > 0.0

@@ -115,7 +115,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         *s["ptrs"], nheads, nheads_kv, *s["sizes"],
         qk_scale, softcap_log2, p.window_left, p.window_right,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
-        LAZY_RESCALE=cfg.lazy_rescale, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
