@@ -1,8 +1,9 @@
 """Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups computing
-dK and dV, then dQ in the portable ``bwd_dq_kernel`` (no atomics, so the default backward is
-bitwise reproducible too). Dispatched on sm90 for dense batches at head dim 64 and 128
-(= headdim_v); tiles in ``configs.SM90_HOPPER_BWD``. Compile check:
-``python -m triflash.kernels.hopper.compile_check --bwd``.
+dK and dV, then dQ in the Gluon dQ kernel (``hopper/bwd_dq.py``; no atomics, so the default
+backward is bitwise reproducible too). Dispatched on sm90 for dense and varlen batches at
+head dim 64 and 128 (= headdim_v; 256: ``hopper/bwd256.py``'s dK/dV kernel); tiles in
+``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
+Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
 their wgmmas already in the accumulator orientation of dV += P^T dO and dK += dS^T Q and feed
@@ -42,7 +43,12 @@ saturate the atomic path.
 Math and masking are those of ``triflash/kernels/bwd.py`` (the portable backward).
 Covered: dense (batch, seqlen, heads, dim) inputs, head dim 64 / 128 (= headdim_v),
 fp16/bf16, causal, sliding window, softcap, GQA/MQA (the CTA loops over the group's query
-heads, so dK/dV are summed in registers: no reduction step, deterministic).
+heads, so dK/dV are summed in registers: no reduction step, deterministic). Varlen
+(``VARLEN``): (total, heads, dim) tensors seen as (1, total, heads, dim); each CTA's
+sequence start and length come from ``cu_seqlens`` / ``seqused`` (``common._key_tile``),
+the lse_log2 / Delta buffers give each sequence its own padded rows (``common.stat_row0``),
+and dK / dV leave by masked stores (``common._store_rows``) where a TMA box would run into
+the next sequence.
 """
 import torch
 import triton
