@@ -137,9 +137,10 @@ def test_softmax_scale_and_headdim_v():
     assert max_err(out, ref) <= fa_tolerance(ref, pt)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("dv", [32, 128])
-def test_headdim_v_backward(dv):
-    check_attention(2, 65, 97, 4, 2, 64 if dv == 32 else 192, torch.bfloat16, True, (-1, -1), 0.0, dv=dv)
+def test_headdim_v_backward(dv, dtype):
+    check_attention(2, 65, 97, 4, 2, 64 if dv == 32 else 192, dtype, True, (-1, -1), 0.0, dv=dv)
 
 
 def test_qkvpacked():

@@ -76,8 +76,9 @@ def test_varlen_seqused_and_padding():
                  seqused=([30, 0, 77, 1], [50, 3, 10, 0]), pad=7)
 
 
-def test_varlen_headdim_v():
-    check_varlen([33, 70, 1], [64, 5, 90], 4, 2, 192, torch.bfloat16, causal=True, dv=128)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_varlen_headdim_v(dtype):
+    check_varlen([33, 70, 1], [64, 5, 90], 4, 2, 192, dtype, causal=True, dv=128)
 
 
 def test_varlen_deterministic_reproducible():
