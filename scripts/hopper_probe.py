@@ -60,7 +60,7 @@ def check(args):
     _apply_overrides(args.config)
     print("configs:", configs.SM90_HOPPER_FWD, flush=True)
     results = []
-    for d in (64, 128, 256):
+    for d in args.headdims:
         for dtype in ((torch.bfloat16, torch.float16) if d == 128 else (torch.bfloat16,)):
             for (b, sq, sk, h, hk, causal, window, softcap) in CHECK_CASES:
                 q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -111,8 +111,11 @@ def _fwd_tflops(b, s, h, d, causal, impl):
 
 
 def speed(args):
+    _apply_overrides(args.config)
     results = []
     for (b, s, h, d) in SPEED_CASES:
+        if d not in args.headdims:
+            continue
         for causal in (False, True):
             row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal)
             for impl in ("hopper", "portable", "cudnn"):
@@ -163,13 +166,16 @@ def main():
     ap.add_argument("--config", default=os.environ.get("HOPPER_FWD_CONFIG", ""),
                     help="overrides for every SM90_HOPPER_FWD entry, e.g. pingpong=1,persistent=1")
     ap.add_argument("--grads", action="store_true", help="check dq/dk/dv too (slow: compiles the bwd)")
+    ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256],
+                    help="check / speed: only these head dims")
+    ap.add_argument("--tag", default="", help="appended to the output file name")
     args = ap.parse_args()
     t0 = time.time()
     res = globals()[args.part](args)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"probe-{args.part}.json"), "w") as f:
+    with open(os.path.join(args.out, f"probe-{args.part}{args.tag}.json"), "w") as f:
         json.dump(dict(part=args.part, gpu=torch.cuda.get_device_name(), seconds=time.time() - t0,
-                       results=res), f, indent=1)
+                       config=args.config, results=res), f, indent=1)
 
 
 if __name__ == "__main__":

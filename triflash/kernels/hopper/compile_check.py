@@ -92,14 +92,14 @@ def _backward(headdim, dtype, feature, varlen):
     return pb, tensors, torch.empty(shape), torch.empty(shape), p
 
 
-def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False) -> dict:
-    """The forward with the tile of ``configs.SM90_HOPPER_FWD``; ``varlen``: packed
-    (total, heads, dim) tensors with cu_seqlens (and seqused_k)."""
+def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cfg=None) -> dict:
+    """The forward with the tile of ``configs.SM90_HOPPER_FWD`` (or ``cfg``); ``varlen``:
+    packed (total, heads, dim) tensors with cu_seqlens (and seqused_k)."""
     import torch
 
     from .. import configs
     from . import fwd as H
-    cfg = configs.SM90_HOPPER_FWD[headdim]
+    cfg = cfg or configs.SM90_HOPPER_FWD[headdim]
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
     _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,

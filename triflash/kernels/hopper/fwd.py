@@ -160,14 +160,14 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 
 
 @gluon.jit
-def _fwd_consumer(q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns,
-                  o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
+def _fwd_consumer(CID: gl.constexpr, q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
+                  v_free, turns, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
                   num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
                   total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  CID: gl.constexpr, PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
@@ -271,7 +271,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     DV: gl.constexpr = v_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(BM == 64, "one warpgroup owns 64 query rows")
-    gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
+    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
+    gl.static_assert(not (PINGPONG and NUM_CONSUMERS != 2), "pingpong takes turns between two consumers")
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
@@ -297,30 +298,66 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0))  # consumer 0 issues first
 
-    gl.warp_specialize(
-        [(_fwd_consumer, (q_bufs.index(0), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+    # (Gluon takes each partition's arguments spelled out: a shared tuple would turn the
+    # constexprs into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
+    if NUM_CONSUMERS == 3:
+        gl.warp_specialize(
+            [(_fwd_consumer, (0, q_bufs.index(0), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0, PINGPONG,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
-         (_fwd_consumer, (q_bufs.index(1), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+             (_fwd_consumer, (1, q_bufs.index(1), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1, PINGPONG,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
-         (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
+             (_fwd_consumer, (2, q_bufs.index(2), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          LSE, stride_lseb, stride_lseh, stride_lsem,
+                          num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          qk_scale, softcap_log2, window_left, window_right,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+             (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
                         total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
                         HAS_SEQUSED_Q, HAS_SEQUSED_K))],
-        [4, 1], [CONSUMER_REGS, LOADER_REGS])
+            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize(
+            [(_fwd_consumer, (0, q_bufs.index(0), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          LSE, stride_lseb, stride_lseh, stride_lsem,
+                          num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          qk_scale, softcap_log2, window_left, window_right,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+             (_fwd_consumer, (1, q_bufs.index(1), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          LSE, stride_lseb, stride_lseh, stride_lsem,
+                          num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          qk_scale, softcap_log2, window_left, window_right,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+             (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
+                        k_ready, v_ready, k_free, v_free,
+                        num_tiles, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                        NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K))],
+            [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # ---- host side --------------------------------------------------------------------------
