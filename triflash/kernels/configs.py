@@ -127,6 +127,10 @@ SM90_BWD = {
 #   schedules (hopper-fwd-schedules-*.json, 8k tokens): pingpong helps at 128 (616/569 vs
 #     601/563) and 256 causal (657 vs 650), not at 64; the persistent loop did not pay at 8k
 #     and was erratic at 1k, so it stays off.
+#   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
+#     probes/hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
+#     against the table's 415.2/406.2 (cuDNN 465.5/439.7 in the same process); 64 keys x 4
+#     447.1/402.8. Not in the table until the GPU test suite has run with it.
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True),
