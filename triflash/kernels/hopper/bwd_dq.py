@@ -24,10 +24,10 @@ plain loads: 64 floats per consumer per CTA. Math and masking are those of the p
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh, visible
-from .common import _acc_layout, _seq_query_tile, _store_rows, _tma_view, descriptor, stat_row0
+from .common import _acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor, stat_row0
 
 ROWS_PER_CONSUMER = 64
 
@@ -149,13 +149,8 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
                           STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
-    if IS_VARLEN:  # a TMA box would run into the next sequence's rows
-        _store_rows(q_buf, DQ + head.to(gl.int64) * stride_dqh + (start_q + row_start).to(gl.int64) * stride_dqm,
-                    stride_dqm, len_q - row_start)
-    else:
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dq_desc, [tma_batch, row_start, head, 0], _tma_view(q_buf, dq_desc))
-        tma.store_wait(0)
+    _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
+                      len_q, IS_VARLEN)
 
 
 @gluon.jit

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from ..common import m_block_range, n_block_range, seqlen_info
 
@@ -110,6 +111,22 @@ def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
     return (tma_batch, head_kv, group, start_q, len_q, start_k, len_k,
             stat_row0(batch, start_q, IS_VARLEN, BLOCK_M), n_block * BLOCK_N,
             m_min, m_full_min, m_full_max, m_max)
+
+
+@gluon.jit
+def _store_query_tile(buf, desc, PTR, stride_row, stride_head, tma_batch, head, start_q, row0, len_q,
+                      IS_VARLEN: gl.constexpr):
+    """A staged [rows, dim] output tile of query rows ``row0 + i`` of a sequence (O, dQ) to
+    global memory: a TMA store (clipped at a dense sequence's end), or masked stores where a
+    box would run into the next varlen sequence's rows (``PTR``: the tensor, seen (total,
+    heads, dim))."""
+    if IS_VARLEN:
+        _store_rows(buf, PTR + head.to(gl.int64) * stride_head + (start_q + row0).to(gl.int64) * stride_row,
+                    stride_row, len_q - row0)
+    else:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [tma_batch, row0, head, 0], _tma_view(buf, desc))
+        tma.store_wait(0)
 
 
 @gluon.jit

@@ -29,10 +29,10 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, scores, visible
-from .common import Problem, _acc_layout, _seq_query_tile, _store_rows, _tma_view, descriptor
+from .common import Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -244,13 +244,8 @@ def _fwd_consumer(CID: gl.constexpr, q_buf, q_ready, q_free, k_ring, v_ring, k_r
                  + (start_q + rows).to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
         # O goes out through this consumer's Q tile: every wgmma reading it has retired.
         q_buf.store(out.to(q_buf.dtype))
-        if IS_VARLEN:  # a TMA box would run into the next sequence's rows
-            _store_rows(q_buf, O + head.to(gl.int64) * stride_oh + (start_q + row_start).to(gl.int64) * stride_om,
-                        stride_om, len_q - row_start)
-        else:
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [tma_batch, row_start, head, 0], _tma_view(q_buf, o_desc))
-            tma.store_wait(0)
+        _store_query_tile(q_buf, o_desc, O, stride_om, stride_oh, tma_batch, head, start_q, row_start,
+                          len_q, IS_VARLEN)
         mbarrier.arrive(q_free)
         local += 1
 
