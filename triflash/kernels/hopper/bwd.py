@@ -438,9 +438,8 @@ def stats(pb, out, dout, lse):
     bwd_stats_kernel[(ceil_div(pb.seqlen_q, BLOCK_M), pb.batch * pb.nheads)](
         o4, do4, lse, stat, delta, o4.stride(0), o4.stride(1), o4.stride(2),
         do4.stride(0), do4.stride(1), do4.stride(2), *pb.lse_strides(lse),
-        stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.seq_args[0], pb.seq_args[2],
-        pb.seq_args[4], HEADDIM_V=out.shape[-1], BLOCK_M=BLOCK_M, IS_VARLEN=pb.varlen,
-        HAS_SEQUSED_Q=pb.seq_flags[1],
+        stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.total_q, pb.cu_q, pb.used_q,
+        HEADDIM_V=out.shape[-1], BLOCK_M=BLOCK_M, IS_VARLEN=pb.varlen, HAS_SEQUSED_Q=pb.has_used_q,
     )
     return stat, delta
 

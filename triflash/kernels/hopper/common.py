@@ -26,6 +26,17 @@ def _tma_view(buf, desc):
 
 
 @gluon.jit
+def _nothing_past_end(past_end, lo, full_lo, full_hi, hi):
+    """A block range (``common.n_block_range`` / ``m_block_range``) collapsed to empty when
+    the varlen tile starts past its sequence's end (the grid covers the longest sequence)."""
+    if past_end:
+        full_lo = lo
+        full_hi = lo
+        hi = lo
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
 def _seq_query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                     CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -50,10 +61,8 @@ def _seq_query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, t
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if IS_VARLEN:
         tma_batch = batch * 0
-        if m_block * BLOCK_M >= len_q:
-            n_full_min = n_min
-            n_full_max = n_min
-            n_max = n_min
+        n_min, n_full_min, n_full_max, n_max = _nothing_past_end(
+            m_block * BLOCK_M >= len_q, n_min, n_full_min, n_full_max, n_max)
     else:
         tma_batch = batch
     return (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, m_block * BLOCK_M,
@@ -102,10 +111,8 @@ def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
         n_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if IS_VARLEN:
         tma_batch = batch * 0
-        if n_block * BLOCK_N >= len_k:
-            m_full_min = m_min
-            m_full_max = m_min
-            m_max = m_min
+        m_min, m_full_min, m_full_max, m_max = _nothing_past_end(
+            n_block * BLOCK_N >= len_k, m_min, m_full_min, m_full_max, m_max)
     else:
         tma_batch = batch
     return (tma_batch, head_kv, group, start_q, len_q, start_k, len_k,
@@ -201,8 +208,8 @@ class Problem:
     seqlen, heads, dim) tensors, varlen ones as (1, total, heads, dim) views with per-sequence
     starts and lengths from ``cu_seqlens`` / ``seqused`` (``common.seqlen_info``);
     ``seqlen_q`` / ``seqlen_k`` bound a sequence's length (the launch grids)."""
-    __slots__ = ("varlen", "batch", "nheads", "nheads_kv", "seqlen_q", "seqlen_k",
-                 "total_q", "total_k", "seq_args", "seq_flags")
+    __slots__ = ("varlen", "batch", "nheads", "nheads_kv", "seqlen_q", "seqlen_k", "total_q",
+                 "total_k", "cu_q", "cu_k", "used_q", "used_k", "has_used_q", "seq_args", "seq_flags")
 
     def __init__(self, q, k, params, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None):
@@ -217,11 +224,14 @@ class Problem:
             self.seqlen_k = k.shape[1]
             self.total_q, self.total_k = self.seqlen_q, self.seqlen_k
         dummy = q  # never dereferenced when the matching flag is off
-        self.seq_args = (self.total_q, self.total_k,
-                         cu_seqlens_q if self.varlen else dummy, cu_seqlens_k if self.varlen else dummy,
-                         seqused_q if seqused_q is not None else dummy,
-                         seqused_k if seqused_k is not None else dummy)
-        self.seq_flags = (self.varlen, seqused_q is not None, seqused_k is not None)
+        self.cu_q = cu_seqlens_q if self.varlen else dummy
+        self.cu_k = cu_seqlens_k if self.varlen else dummy
+        self.used_q = seqused_q if seqused_q is not None else dummy
+        self.used_k = seqused_k if seqused_k is not None else dummy
+        self.has_used_q = seqused_q is not None
+        # the kernels' (total_q, total_k, CU_Q, CU_K, USED_Q, USED_K) and their flags
+        self.seq_args = (self.total_q, self.total_k, self.cu_q, self.cu_k, self.used_q, self.used_k)
+        self.seq_flags = (self.varlen, self.has_used_q, seqused_k is not None)
 
     def view(self, x):
         """x as the kernels' 4D tensor (lse / stat buffers: 3D)."""
