@@ -4,7 +4,8 @@
 # time (scripts/bwd_breakdown.py), Hopper backward tile variants (scripts/hopper_bwd_probe.py),
 # portable tiles (sweep: scripts/sweep.py --jobs SWEEP_JOBS with SWEEP_ARGS).
 # tier: the Hopper-tier GPU tests only (TIER_K: a pytest -k filter); check / speed: scripts/hopper_bwd_probe.py with
-# CHECK_ARGS / SPEED_ARGS. Parts in BG_PARTS run first, concurrently (compiling is CPU-bound).
+# CHECK_ARGS / SPEED_ARGS; order: scripts/order_probe.py (ORDER_ARGS); fwdprobe:
+# scripts/hopper_probe.py FWDPROBE_ARGS (default: check). Parts in BG_PARTS run first, concurrently (compiling is CPU-bound).
 # Usage: [BG_PARTS="tier check"] [PARTS="tests fault breakdown probe"] bash scripts/diag_run.sh COMMIT OUTDIR
 set -u
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-diag-out}"; mkdir -p "$OUT_DIR"
@@ -30,6 +31,10 @@ run_part() {
            done 2>&1 | tee "$OUT_DIR/fault-tiles.txt" ;;
     sweep) timeout "${SWEEP_TIMEOUT:-400}" python3 scripts/sweep.py --out "$OUT_DIR/sweep.json" --jobs "${SWEEP_JOBS:-12}" \
              ${SWEEP_ARGS:-} > "$OUT_DIR/sweep.txt" 2>&1; echo "== sweep done $(date -u +%T)"; tail -n 3 "$OUT_DIR/sweep.txt" ;;
+    order) timeout "${ORDER_TIMEOUT:-240}" python3 scripts/order_probe.py --out "$OUT_DIR" ${ORDER_ARGS:-} 2>&1 \
+             | tee "$OUT_DIR/order.txt"; echo "== order done $(date -u +%T)" ;;
+    fwdprobe) timeout "${FWDPROBE_TIMEOUT:-150}" python3 scripts/hopper_probe.py ${FWDPROBE_ARGS:-check} --out "$OUT_DIR" 2>&1 \
+             | tail -n 40 | tee -a "$OUT_DIR/fwdprobe.txt"; echo "== fwdprobe done $(date -u +%T)" ;;
     breakdown) timeout 150 python3 scripts/bwd_breakdown.py --out "$OUT_DIR" 2>&1 | tail -n 14 ;;
     probe) for c in ${PROBE_CONFIGS:-stages=3}; do
              timeout 90 python3 scripts/hopper_bwd_probe.py speed --impls hopper --config "$c" --out "$OUT_DIR" 2>&1 | tail -n 4

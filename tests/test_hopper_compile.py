@@ -105,7 +105,8 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # registers per consumer thread (3 x 128 x 160 + the loader's 128 x 24 fill the 64K
 # register file) hold the 64 x 128 S tile, P and the 64 x 64 O accumulator with a little
 # spilled on the plain variant: 648 B measured; it still ran 15% faster than two consumers.
-HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 704}
+# Causal: 32 B since the sectioned launch order (common.launch_order) added its divisions.
+HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 704, ("causal", 64): 64}
 
 
 def test_hopper_forward_compiles_for_sm90a():

@@ -23,7 +23,7 @@ in registers in a fixed order: no extra buffer, no reduction kernel, determinist
 import triton
 import triton.language as tl
 
-from .common import m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
+from .common import launch_order, m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
 
 
 @triton.jit
@@ -268,15 +268,16 @@ def bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right, section_heads,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    num_m = tl.num_programs(0)
+    bh, rank = launch_order(tl.program_id(1) * num_m + tl.program_id(0), num_m, section_heads)
+    m_block = num_m - 1 - rank
     batch = bh // nheads
     head = bh % nheads
     head_kv = head // (nheads // nheads_kv)

@@ -8,11 +8,15 @@
   a mask and the blocks that do not.
 * ``visible``: the element-wise mask (sequence tail, causal, sliding window).
 * ``scores``: scale + optional softcap, in the log2 domain the kernels use for exp2.
+* ``launch_order`` (with the host's ``section_heads``): which (batch, head) and which block
+  a program of a query-block launch (forward, dQ) computes, longest first.
 
 Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
 query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
 negative ``left``/``right`` means unbounded and causal is ``right = 0``.
 """
+import functools
+
 import triton
 import triton.language as tl
 
@@ -23,6 +27,60 @@ LN2 = 0.6931471805599453
 def ceil_div(a: int, b: int) -> int:
     """Host-side ``triton.cdiv`` (a constexpr function in Triton 3.6: ~4 us per host call)."""
     return -(-a // b)
+
+
+# FlashAttention-3's L2 budget for the K and V that one section of heads streams (the H200
+# has 50 MB of L2; the rest holds Q/O tiles and whatever else is in flight).
+L2_SECTION_BYTES = 32 * 1024 * 1024
+# False: every launch goes one head after another (scripts/hopper_probe.py --config
+# sections=0 measures the order against that).
+LAUNCH_SECTIONS = True
+
+
+def section_heads(num_bh: int, nheads: int, nheads_kv: int, seqlen_k: int, kv_row_bytes: int,
+                  masked: bool) -> int:
+    """Heads per section of ``launch_order``: 1 (one head after another) without a causal or
+    local mask, where every block costs the same. With one, as many heads as keep their K/V
+    (``kv_row_bytes`` per key: (d + dv) * element size) within ``L2_SECTION_BYTES``, times the
+    query heads sharing a KV head, and a divisor of ``num_bh`` (batch * heads), so every
+    section holds the same number of heads."""
+    if not (masked and LAUNCH_SECTIONS) or num_bh <= 1:
+        return 1
+    per_kv_head = max(1, seqlen_k * kv_row_bytes)
+    cap = max(1, L2_SECTION_BYTES // per_kv_head) * max(1, nheads // max(1, nheads_kv))
+    return _largest_divisor_at_most(num_bh, cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    if cap >= n:
+        return n
+    best, i = 1, 1
+    while i * i <= n:
+        if n % i == 0:
+            for c in (i, n // i):
+                if best < c <= cap:
+                    best = c
+        i += 1
+    return best
+
+
+@triton.jit
+def launch_order(tile, num_blocks, section_heads):
+    """Program ``tile`` of a launch over (batch * heads) x ``num_blocks`` query-block tiles
+    -> (bh, rank), rank 0 a head's longest block (under causal, its last query block).
+
+    Heads go in sections of ``section_heads`` (a divisor of batch * heads); inside a section
+    the tiles go rank by rank across its heads, so the longest tiles of several heads start
+    first and no SM is left finishing a long tile while the others idle (longest processing
+    time first, FlashAttention-3's causal scheduler). A section's K/V fit in L2, so its tiles
+    read them from there. ``section_heads`` = 1: one head after another, longest first."""
+    per_section = section_heads * num_blocks
+    section = tile // per_section
+    within = tile - section * per_section
+    rank = within // section_heads
+    bh = section * section_heads + (within - rank * section_heads)
+    return bh, rank
 
 
 @triton.jit

@@ -16,7 +16,7 @@ common case pays no masking arithmetic.
 import triton
 import triton.language as tl
 
-from .common import n_block_range, scores, seqlen_info, to_output, visible
+from .common import launch_order, n_block_range, scores, seqlen_info, to_output, visible
 
 
 @triton.jit
@@ -91,17 +91,17 @@ def flash_fwd_kernel(
     stride_lseb, stride_lseh, stride_lsem,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softcap_log2, window_left, window_right,
+    qk_scale, softcap_log2, window_left, window_right, section_heads,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # Query blocks of one head are adjacent in launch order (shared K/V in L2); the last
-    # (longest, under causal) query block goes first.
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    # Longest (under causal, last) query blocks first, a few heads at a time (launch_order).
+    num_m = tl.num_programs(0)
+    bh, rank = launch_order(tl.program_id(1) * num_m + tl.program_id(0), num_m, section_heads)
+    m_block = num_m - 1 - rank
     batch = bh // nheads
     head = bh % nheads
     head_kv = head // (nheads // nheads_kv)

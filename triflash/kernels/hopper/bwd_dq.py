@@ -34,7 +34,7 @@ ROWS_PER_CONSUMER = 64
 
 @gluon.jit
 def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
-               kv_ready, kv_free, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+               kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                window_left, window_right, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -43,7 +43,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
      n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-        gl.program_id(0), num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+        gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
         CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
         HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
     mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
@@ -112,7 +112,7 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
 @gluon.jit
 def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_desc,
                  DQ, stride_dqm, stride_dqh, STAT, DELTA,
-                 stride_sb, stride_sh, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                 stride_sb, stride_sh, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                  qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -127,7 +127,7 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
      n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-        gl.program_id(0), num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+        gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
         CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
         HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
     row_start = row0 + CID * BM
@@ -156,7 +156,7 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
 @gluon.jit
 def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, stride_dqh,
                      STAT, DELTA, stride_sb, stride_sh,
-                     nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks,
+                     nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks, section_heads,
                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                      qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                      STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
@@ -188,21 +188,21 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
 
     gl.warp_specialize(
         [(_dq_consumer, (q_bufs.index(0), do_bufs.index(0), q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
+                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
          (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks,
+                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
          (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
-                       kv_ready, kv_free, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k,
+                       kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                        window_left, window_right, NUM_CONSUMERS, STAGES, HAS_LEFT, HAS_RIGHT,
                        IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K))],
@@ -218,7 +218,8 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, bm), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, bm),
             descriptor(dq, bm), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
-            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks, *pb.seq_args,
+            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,
+            pb.section_heads(k, v, params), *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
             params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs]

@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
-from ..common import m_block_range, n_block_range, seqlen_info
+from ..common import launch_order, m_block_range, n_block_range, section_heads, seqlen_info
 
 
 @gluon.constexpr_function
@@ -37,7 +37,7 @@ def _nothing_past_end(past_end, lo, full_lo, full_hi, hi):
 
 
 @gluon.jit
-def _seq_query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+def _seq_query_tile(tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                     CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -46,10 +46,11 @@ def _seq_query_tile(tile, num_m_blocks, nheads, nheads_kv, seqlen_q, seqlen_k, t
     varlen -> (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, first row,
     key block range). Rows are relative to the sequence; a TMA box starts at row
     ``start_q + row`` of batch ``tma_batch`` (varlen tensors are seen as (1, total, h, d), so
-    0). Tiles of one head are adjacent (its K/V stay in L2) and go longest first (the last
-    query block under causal). A varlen query block past its sequence's end visits nothing."""
-    bh = tile // num_m_blocks
-    m_block = num_m_blocks - 1 - (tile - bh * num_m_blocks)
+    0). Tiles go longest first (the last query block under causal), ``section_heads``
+    heads at a time (``common.launch_order``). A varlen query block past its sequence's end
+    visits nothing."""
+    bh, rank = launch_order(tile, num_m_blocks, section_heads)
+    m_block = num_m_blocks - 1 - rank
     batch = bh // nheads
     head = bh - batch * nheads
     head_kv = head // (nheads // nheads_kv)
@@ -232,6 +233,12 @@ class Problem:
         # the kernels' (total_q, total_k, CU_Q, CU_K, USED_Q, USED_K) and their flags
         self.seq_args = (self.total_q, self.total_k, self.cu_q, self.cu_k, self.used_q, self.used_k)
         self.seq_flags = (self.varlen, self.has_used_q, seqused_k is not None)
+
+    def section_heads(self, k, v, params) -> int:
+        """Heads per section of the query-tile launch order (``common.launch_order``)."""
+        return section_heads(self.batch * self.nheads, self.nheads, self.nheads_kv, self.seqlen_k,
+                             (k.shape[-1] + v.shape[-1]) * k.element_size(),
+                             params.window_left >= 0 or params.window_right >= 0)
 
     def view(self, x):
         """x as the kernels' 4D tensor (lse / stat buffers: 3D)."""

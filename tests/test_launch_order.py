@@ -1,0 +1,52 @@
+"""The launch order of query-block tiles (``common.launch_order`` with the host's
+``common.section_heads``): every (batch*head, block) exactly once, longest first inside each
+section of heads, sections in order. Runs the jitted function through a one-line kernel (the
+interpreter on the CPU)."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from conftest import DEVICE
+from triflash.kernels.common import L2_SECTION_BYTES, launch_order, section_heads
+
+
+@triton.jit
+def _order_kernel(OUT, section_heads):
+    num_m = tl.num_programs(0)
+    tile = tl.program_id(1) * num_m + tl.program_id(0)
+    bh, rank = launch_order(tile, num_m, section_heads)
+    tl.store(OUT + 2 * tile, bh)
+    tl.store(OUT + 2 * tile + 1, rank)
+
+
+@pytest.mark.parametrize("num_bh,num_m,sec", [(36, 5, 4), (36, 5, 1), (7, 3, 7), (12, 1, 6), (6, 4, 3)])
+def test_launch_order_is_a_permutation_longest_first(num_bh, num_m, sec):
+    out = torch.full((num_bh * num_m, 2), -1, dtype=torch.int32, device=DEVICE)
+    _order_kernel[(num_m, num_bh)](out, sec)
+    pairs = [tuple(r) for r in out.cpu().tolist()]
+    assert sorted(pairs) == [(b, m) for b in range(num_bh) for m in range(num_m)]
+    for t, (bh, rank) in enumerate(pairs):
+        section, within = divmod(t, sec * num_m)
+        assert bh // sec == section, (t, bh, rank)   # sections of heads, in order
+        assert rank == within // sec, (t, bh, rank)  # rank by rank across the section's heads
+    if sec == 1:  # one head after another
+        assert pairs == [(b, m) for b in range(num_bh) for m in range(num_m)]
+
+
+def test_section_heads():
+    kv = 2 * 256 * 2  # (d + dv) * bytes per key, head dim 256
+    # unmasked: every block costs the same, one head after another
+    assert section_heads(36, 36, 36, 8192, kv, masked=False) == 1
+    # the seed case: 8 MB of K/V per head, 4 heads in 32 MB, and 4 divides 36
+    assert section_heads(36, 36, 36, 8192, kv, masked=True) == L2_SECTION_BYTES // (8192 * kv) == 4
+    # a divisor of batch * heads, never above what fits
+    assert section_heads(37, 37, 37, 8192, kv, masked=True) == 1
+    assert section_heads(36, 36, 36, 1024, kv, masked=True) == 18
+    # GQA: query heads sharing a KV head share its L2 footprint
+    assert section_heads(32, 32, 8, 8192, kv, masked=True) == 16
+    # keys longer than the L2 share: still one head at a time
+    assert section_heads(36, 36, 36, 1 << 20, kv, masked=True) == 1
+    for n in range(1, 60):
+        s = section_heads(n, n, n, 4096, 4096, masked=True)
+        assert n % s == 0 and s <= max(1, L2_SECTION_BYTES // (4096 * 4096))
