@@ -31,10 +31,8 @@ def ceil_div(a: int, b: int) -> int:
 
 # FlashAttention-3's L2 budget for the K and V that one section of heads streams (the H200
 # has 50 MB of L2; the rest holds Q/O tiles and whatever else is in flight).
+# (Read at each launch: scripts/order_probe.py sets it, 0 meaning one head after another.)
 L2_SECTION_BYTES = 32 * 1024 * 1024
-# False: every launch goes one head after another (scripts/hopper_probe.py --config
-# sections=0 measures the order against that).
-LAUNCH_SECTIONS = True
 
 
 def section_heads(num_bh: int, nheads: int, nheads_kv: int, seqlen_k: int, kv_row_bytes: int,
@@ -44,7 +42,7 @@ def section_heads(num_bh: int, nheads: int, nheads_kv: int, seqlen_k: int, kv_ro
     (``kv_row_bytes`` per key: (d + dv) * element size) within ``L2_SECTION_BYTES``, times the
     query heads sharing a KV head, and a divisor of ``num_bh`` (batch * heads), so every
     section holds the same number of heads."""
-    if not (masked and LAUNCH_SECTIONS) or num_bh <= 1:
+    if not masked or num_bh <= 1:
         return 1
     per_kv_head = max(1, seqlen_k * kv_row_bytes)
     cap = max(1, L2_SECTION_BYTES // per_kv_head) * max(1, nheads // max(1, nheads_kv))

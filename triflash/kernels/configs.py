@@ -129,10 +129,11 @@ SM90_BWD = {
 #     and was erratic at 1k, so it stays off.
 #   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
 #     probes/hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
-#     against the table's 415.2/406.2 (cuDNN 465.5/439.7 in the same process); 64 keys x 4
-#     447.1/402.8. Not in the table until the GPU test suite has run with it.
+#     against two consumers' 415.2/406.2 (cuDNN 465.5/439.7 in the same process); 64 keys x 4
+#     447.1/402.8. Through the GPU probe's check at 49d2a7c (16 of 16 cases, probes/
+#     hopper-fwd64-check_3wg-49d2a7c.json) at 453.0/424.1 (cuDNN 450.5/424.9); dispatched since.
 SM90_HOPPER_FWD = {
-    64: HopperFwdConfig(block_n=128, stages=3),
+    64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True),
 }

@@ -109,12 +109,6 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     return dict(row, **_compile(H.hopper_fwd_kernel, args))
 
 
-# Not dispatched yet: three consumer warpgroups at head dim 64 (192-row tiles), measured
-# faster than the table's two on the H200 (benchmarks/NOTES.md, 30c2e0d) but not through the
-# GPU test suite yet. Compiled in CI so that the kernel's three-consumer path keeps building.
-FWD_THREE_CONSUMERS = {64: dict(block_n=128, stages=3, num_consumers=3, consumer_regs=160)}
-
-
 def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False, cfg=None,
                 varlen: bool = False) -> dict:
     """The dK/dV kernel the dispatch runs at ``headdim`` with the tile of
@@ -154,14 +148,11 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
 
 
 def all_fwd(dtypes=("bf16", "fp16")):
-    """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes and varlen in bf16, and
-    the FWD_THREE_CONSUMERS candidates (bf16)."""
+    """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes and varlen in bf16."""
     from .. import configs
     dims = sorted(configs.SM90_HOPPER_FWD)
     return ([compile_fwd(d, dt, f) for d in dims for dt in dtypes for f in FEATURES]
-            + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
-            + [compile_fwd(d, "bf16", f, cfg=configs.HopperFwdConfig(**kw))
-               for d, kw in sorted(FWD_THREE_CONSUMERS.items()) for f in FEATURES])
+            + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES])
 
 
 def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
