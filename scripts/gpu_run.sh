@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU command: GPU test suite at realistic sizes, then the benchmark preset h200.
 # Usage (repo root, on the H200):  [PARTS="tests bench"] bash scripts/gpu_run.sh COMMIT OUTDIR
-#   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags
+#   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags;
+#   BENCH_ROUNDS: interleaved timing rounds per case (default 3, the median kept)
 #   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png}.
 # The two parts take ~330 s and ~400 s: over one device call's 600 s together, so run
@@ -32,5 +33,5 @@ PARTS="${PARTS:-tests bench}"
 [[ " $PARTS " == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-560}" python3 -m triflash.bench --preset h200 --commit "$COMMIT" \
   --impls "${IMPLS:-triflash,triflash-portable,triflash-varlen,triflash-deterministic,sdpa-cudnn,sdpa-flash,flex,fa2,fa3,fa4}" ${BENCH_ARGS:-} \
   --only-seqlens flex=8192 --only-seqlens triflash-portable=8192 --only-seqlens triflash-varlen=8192 \
-  --only-seqlens triflash-deterministic=8192 --warmup 25 --rep 100 --out "$OUT_DIR/h200.json" --plot "$OUT_DIR/h200.png" 2>&1 \
+  --only-seqlens triflash-deterministic=8192 --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" --out "$OUT_DIR/h200.json" --plot "$OUT_DIR/h200.png" 2>&1 \
   | tee "$OUT_DIR/bench-full.txt" | tail -n 80 | tee "$OUT_DIR/bench.txt"

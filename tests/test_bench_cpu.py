@@ -110,3 +110,23 @@ def test_json_written_after_each_case(tmp_path, monkeypatch):
               "--impls", "triflash"])
     assert len(seen) == 1 and seen[0]["meta"]["complete"] is False
     assert seen[0]["results"] and all(r["impl"] == "triflash" for r in seen[0]["results"])
+
+
+def test_rounds_interleave_and_take_the_median(tmp_path):
+    """--rounds 3: every impl that ran is timed three times; ms is the median of the rounds
+    and TFLOPS / the bwd/fwd ratio follow it."""
+    import statistics
+    rc, data, _ = _run(tmp_path, "--preset", "cpu", "--seqlens", "64", "--causal", "true",
+                       "--impls", "triflash,sdpa-math", "--rounds", "3")
+    assert rc == 0 and data["meta"]["timing"]["rounds"] == 3
+    timed = [r for r in data["results"] if r["ms"] is not None]
+    assert {r["impl"] for r in timed} == {"triflash", "sdpa-math"}
+    by_key = {(r["impl"], r["mode"], r["headdim"]): r for r in timed}
+    for r in timed:
+        assert len(r["ms_rounds"]) == 3 and r["ms"] == statistics.median(r["ms_rounds"])
+        if r["mode"] == "bwd":
+            fwd = by_key[(r["impl"], "fwd", r["headdim"])]
+            assert r["bwd_fwd_ratio"] == pytest.approx(r["ms"] / fwd["ms"])
+            assert r["tflops"] * r["ms"] == pytest.approx(2.5 * fwd["tflops"] * fwd["ms"])
+    with pytest.raises(SystemExit, match="rounds"):
+        main(["--device", "cpu", "--rounds", "0"])

@@ -45,6 +45,7 @@ JSON schema (``--out``, default ``bench-results.json``)::
         "impl_versions": {impl: str},
         "preset": str, "interpreter": bool, "argv": [str],
         "timing": {"warmup_ms": int, "rep_ms": int, "return_mode": "median",
+                   "rounds": int,           # --rounds: interleaved timings per impl and case
                    "fwd_autograd": bool},   # false with --inference-fwd (fwd under no_grad)
         "tflops_convention": str,
         "complete": bool        # false while the run is in progress: the file is rewritten
@@ -57,6 +58,7 @@ JSON schema (``--out``, default ``bench-results.json``)::
           "headdim": int, "headdim_v": int, "causal": bool, "window_size": [left, right],
           "dtype": "bf16" | "fp16", "varlen": bool,
           "ms": float | null,                 # median; null when skipped or errored
+          "ms_rounds": [float],               # with --rounds > 1: each round's median (ms is their median)
           "host_ms": float | null,            # CPU time to issue one call (CUDA only)
           "tflops": float | null,
           "bwd_fwd_ratio": float | null,      # on bwd rows when fwd was measured too

@@ -46,6 +46,9 @@ def parse_args(argv):
     t.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     t.add_argument("--warmup", type=int, default=50, help="do_bench warmup, ms (default 50)")
     t.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms (default 200)")
+    t.add_argument("--rounds", type=int, default=1, help=(
+        "time every impl of a case this many times, interleaved, and keep the median "
+        "(default 1; the first round is the one that also checks correctness)"))
     t.add_argument("--inference-fwd", action="store_true",
                    help="time fwd under torch.no_grad() (default: autograd on, a training forward)")
     t.add_argument("--cpu-reps", type=int, default=1, help="calls timed per measurement on the CPU")
@@ -178,11 +181,21 @@ def load_impls(names, device, skipped):
     return impls
 
 
+def _derive(rows, case):
+    """TFLOPS and the backward/forward time ratio of one impl's {mode: row} from their ms."""
+    from triflash.testing import flops
+    for mode, row in rows.items():
+        fl = flops(case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim,
+                   case.headdim_v, case.causal, tuple(case.window_size), mode=mode)
+        row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
+    if "fwd" in rows and "bwd" in rows:
+        rows["bwd"]["bwd_fwd_ratio"] = rows["bwd"]["ms"] / rows["fwd"]["ms"]
+
+
 def run_cases(cases, impls, args, device, skipped, on_case=None):
     """Measure everything; returns the result rows. ``on_case(results)`` runs after each case."""
     import torch
-    from triflash.testing import flops
-    from .runner import free_memory, make_inputs, reference, run_impl
+    from .runner import free_memory, make_inputs, reference, retime, run_impl
     timing = dict(warmup=args.warmup, rep=args.rep, cpu_reps=args.cpu_reps)
     budget = int(args.ref_budget_gb * (1 << 30) / 4)
     need_grad = any(m != "fwd" for m in args.modes)
@@ -197,6 +210,7 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
         x = make_inputs(case, device, args.seed)
         ref = None if args.no_check else reference(case, x, need_grad, budget)
         case_rows = []
+        rows_by_impl, timers_by_impl = {}, {}  # what later rounds time again (--rounds)
         for impl in impls:
             progress.step(f"{case.label()} {impl.name}")
             if impl.name in skipped:
@@ -213,8 +227,9 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
                 case_rows += [dict(base, mode=m, note=f"skipped: {reason}") for m in args.modes]
                 continue
             try:
+                timers = {} if args.rounds > 1 else None
                 measured = run_impl(impl, case, x, ref, args.modes, device, timing,
-                                    args.inference_fwd)
+                                    args.inference_fwd, timers)
             except Exception as e:  # noqa: BLE001 - recorded, never hidden
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 if impl.name in SUBJECTS:
@@ -230,17 +245,21 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
             else:
                 rows = {}
                 for mode, m in measured.items():
-                    fl = flops(case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim,
-                               case.headdim_v, case.causal, tuple(case.window_size), mode=mode)
-                    rows[mode] = dict(base, mode=mode, **m, tflops=fl / (m["ms"] * 1e-3) / 1e12)
+                    rows[mode] = dict(base, mode=mode, **m)
                     if m["host_ms"] is not None and m["host_ms"] > LAUNCH_BOUND * m["ms"]:
                         rows[mode]["note"] = "; ".join(filter(None, [
                             rows[mode]["note"], f"launch-bound? host {m['host_ms']:.3f} ms/call"]))
-                if "fwd" in rows and "bwd" in rows:
-                    rows["bwd"]["bwd_fwd_ratio"] = rows["bwd"]["ms"] / rows["fwd"]["ms"]
+                _derive(rows, case)
+                if timers:
+                    rows_by_impl[impl.name], timers_by_impl[impl.name] = rows, timers
                 case_rows += rows.values()
             tried.add(impl.name)
             free_memory(device)
+        if timers_by_impl:
+            retime(rows_by_impl, timers_by_impl, device, timing, args.rounds)
+            for rows in rows_by_impl.values():
+                _derive(rows, case)
+        del rows_by_impl, timers_by_impl
         results += case_rows
         if case_rows:
             progress.write("\n" + report.detail_table(case_rows) + "\n")
@@ -257,6 +276,8 @@ def main(argv=None):
     in_process = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.rounds < 1:
+        sys.exit(f"--rounds {args.rounds}: must be >= 1")
     device = choose_device(args)
     preset, cases = build_case_list(args, device)
     if args.list:
@@ -279,7 +300,7 @@ def main(argv=None):
         return dict(report.collect_meta(device, args.commit, peers_skipped=skipped, preset=preset,
                                         interpreter=interp, impl_versions=versions,
                                         timing={"warmup_ms": args.warmup, "rep_ms": args.rep,
-                                                "return_mode": "median",
+                                                "return_mode": "median", "rounds": args.rounds,
                                                 "fwd_autograd": not args.inference_fwd}),
                     complete=complete)
 

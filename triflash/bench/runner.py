@@ -136,9 +136,10 @@ def bench(fn, device, warmup, rep, cpu_reps):
 
 
 def run_impl(impl, case, x: Inputs, ref: Optional[Reference], modes, device, timing,
-             inference_fwd=False):
-    """Measure one impl on one case in every mode. Returns {mode: partial row}.
-    Exceptions propagate (the caller decides between 'skipped' and 'FAIL')."""
+             inference_fwd=False, timers=None):
+    """Measure one impl on one case in every mode. Returns {mode: partial row}; ``timers``
+    (a dict), when given, receives {mode: the timed callable} for later rounds
+    (``retime``). Exceptions propagate (the caller decides between 'skipped' and 'FAIL')."""
     q, k, v, dout = x.q, x.k, x.v, x.dout
     fn = impl.make(case, device)
     need_grad = any(m != "fwd" for m in modes)
@@ -165,6 +166,8 @@ def run_impl(impl, case, x: Inputs, ref: Optional[Reference], modes, device, tim
             torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
 
     timed = {"fwd": t_fwd, "bwd": t_bwd, "fwd_bwd": t_fwd_bwd}
+    if timers is not None:
+        timers.update((m, timed[m]) for m in modes)
     rows = {}
     for mode in modes:
         ms, host_ms = bench(timed[mode], device, **timing)
@@ -177,10 +180,28 @@ def run_impl(impl, case, x: Inputs, ref: Optional[Reference], modes, device, tim
     return rows
 
 
+def retime(rows_by_impl, timers_by_impl, device, timing, rounds):
+    """Rounds 2..``rounds`` of a case: every impl that ran is timed again, one after the
+    other, round after round; each row's ``ms`` becomes the median of its rounds and
+    ``ms_rounds`` lists them. A GPU's clock drifts over a run (power and heat: the same
+    kernel measured a few percent apart seconds later), so interleaving keeps the impls of a
+    case comparable, whichever goes first."""
+    for _ in range(rounds - 1):
+        for name, timers in timers_by_impl.items():
+            for mode, fn in timers.items():
+                row = rows_by_impl[name][mode]
+                row.setdefault("ms_rounds", [row["ms"]]).append(
+                    bench(fn, device, timing["warmup"], timing["rep"], timing["cpu_reps"])[0])
+    for rows in rows_by_impl.values():
+        for row in rows.values():
+            if "ms_rounds" in row:
+                row["ms"] = statistics.median(row["ms_rounds"])
+
+
 def free_memory(device):
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
 
 
-__all__ = ["make_inputs", "reference", "run_impl", "bench", "free_memory", "DTYPES"]
+__all__ = ["make_inputs", "reference", "run_impl", "retime", "bench", "free_memory", "DTYPES"]
