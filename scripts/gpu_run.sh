@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU command: GPU test suite at realistic sizes, then the benchmark preset h200.
 # Usage (repo root, on the H200):  [PARTS="tests bench"] bash scripts/gpu_run.sh COMMIT OUTDIR
-#   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags;
-#   BENCH_ROUNDS: interleaved timing rounds per case (default 3, the median kept)
-#   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes)
+#   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags
+#   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes); BENCH_ROUNDS:
+#   interleaved timing rounds per case (default 3, the median kept)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png}.
 # The two parts take ~330 s and ~400 s: over one device call's 600 s together, so run
 # PARTS=tests and PARTS=bench as two calls (h200.json is rewritten after every case). The
