@@ -183,15 +183,22 @@ fwd_qkvpacked.register_autograd(_backward_qkvpacked, setup_context=_setup_contex
 
 # ---- eager fast path ----------------------------------------------------------------------
 
+# The twins define ``forward(ctx, ...)`` rather than ``setup_context``: with setup_context,
+# ``autograd.Function.apply`` binds the arguments through ``inspect.signature`` on every call,
+# about a fifth of the forward's host time at 1k tokens on the H200
+# (benchmarks/results/probes/host-profile-*-b1b8827.txt).
+
 class _Attention(torch.autograd.Function):
     """Eager twin of ``fwd`` + its registered autograd: the same forward, context and backward
     implementation, without the torch.library dispatch."""
-    forward = staticmethod(_fwd_impl)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
+        output = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(output[1])  # lse
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -201,12 +208,13 @@ class _Attention(torch.autograd.Function):
 
 class _AttentionQKVPacked(torch.autograd.Function):
     """Eager twin of ``fwd_qkvpacked`` + its registered autograd."""
-    forward = staticmethod(_fwd_qkvpacked_impl)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context_qkvpacked(ctx, inputs, output)
+    def forward(ctx, qkv, ints, floats):
+        output = _fwd_qkvpacked_impl(qkv, ints, floats)
+        _setup_context_qkvpacked(ctx, (qkv, ints, floats), output)
         ctx.mark_non_differentiable(output[1])
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
