@@ -50,3 +50,43 @@ def test_section_heads():
     for n in range(1, 60):
         s = section_heads(n, n, n, 4096, 4096, masked=True)
         assert n % s == 0 and s <= max(1, L2_SECTION_BYTES // (4096 * 4096))
+
+
+def test_launch_grids_fit_cuda_limits(monkeypatch):
+    """Batch * heads above 65535 (CUDA's limit for grid axes y and z): every launch of the
+    portable tier and the Hopper statistics kernel keeps its axes within the limits. The
+    launches are recorded, not run."""
+    from triflash.kernels import configs, portable
+    grids = []
+
+    class Record:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            grids.append((self.name, tuple(grid)))
+            return lambda *args, **kwargs: None
+
+    names = ["flash_fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"]
+    for name in names:
+        monkeypatch.setattr(portable, name, Record(name))
+    batch, heads = 35001, 2  # batch * heads = 70002
+    q = torch.zeros(batch, 3, heads, 8, dtype=torch.float16)
+    p = portable.AttnParams(softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0,
+                            max_seqlen_q=3, max_seqlen_k=3)
+    out, lse = portable.fwd(q, q, q, None, None, None, None, p, configs.INTERPRET_FWD, upcast=True)
+    for det in (False, True):
+        portable.bwd(q, q, q, q, out, lse, None, None, None, None, p, configs.INTERPRET_BWD,
+                     deterministic=det, upcast=True)
+    try:
+        from triflash.kernels.hopper import bwd as hopper_bwd
+        from triflash.kernels.hopper.common import Problem
+    except ImportError:  # Triton without Gluon
+        hopper_bwd = None
+    if hopper_bwd is not None:
+        monkeypatch.setattr(hopper_bwd, "bwd_stats_kernel", Record("bwd_stats_kernel"))
+        hopper_bwd.stats(Problem(q, q, p), q, q, lse)
+        names.append("bwd_stats_kernel")
+    assert {name for name, _ in grids} == set(names)
+    for name, grid in grids:
+        assert grid[0] < 2 ** 31 and all(axis <= 65535 for axis in grid[1:]), (name, grid)

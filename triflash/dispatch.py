@@ -76,6 +76,9 @@ def force_backend(name: str):
         _forced_backend = previous
 
 
+GRID_YZ_MAX = 65535
+
+
 def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target) -> str:
     """'' when the Gluon kernels of ``module`` (hopper.fwd or hopper.bwd) serve this case,
     else why not."""
@@ -103,7 +106,12 @@ def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
 
 def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
     """'' when the Gluon backward serves this case, else why not."""
-    return _hopper_supports(hopper_bwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+    why_not = _hopper_supports(hopper_bwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+    # its dK/dV grid is (key blocks, KV heads, batch): CUDA's y and z axes stop at 65535
+    batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
+    if not why_not and max(batch, k.shape[-2]) > GRID_YZ_MAX:
+        why_not = f"batch {batch} or KV heads {k.shape[-2]} above {GRID_YZ_MAX} (grid axes y, z)"
+    return why_not
 
 
 def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):

@@ -23,7 +23,7 @@ in registers in a fixed order: no extra buffer, no reduction kernel, determinist
 import triton
 import triton.language as tl
 
-from .common import launch_order, m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
+from .common import head_major_tile, launch_order, m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
 
 
 @triton.jit
@@ -36,8 +36,7 @@ def bwd_preprocess_kernel(
     HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh, m_block = head_major_tile(tl.cdiv(seqlen_q, BLOCK_M))
     batch = bh // nheads
     head = bh % nheads
     start_q, len_q, _, _ = seqlen_info(batch, seqlen_q, 0, total_q, 0, cu_seqlens_q, cu_seqlens_q,
@@ -132,8 +131,7 @@ def bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    n_block = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh, n_block = head_major_tile(tl.cdiv(seqlen_k, BLOCK_N))  # seqlen_k: the longest
     batch = bh // nheads_kv
     head_kv = bh % nheads_kv
     group = nheads // nheads_kv
@@ -275,8 +273,8 @@ def bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    num_m = tl.num_programs(0)
-    bh, rank = launch_order(tl.program_id(1) * num_m + tl.program_id(0), num_m, section_heads)
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)  # seqlen_q: the longest sequence's length
+    bh, rank = launch_order(tl.program_id(0), num_m, section_heads)
     m_block = num_m - 1 - rank
     batch = bh // nheads
     head = bh % nheads

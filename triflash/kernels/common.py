@@ -9,7 +9,10 @@
 * ``visible``: the element-wise mask (sequence tail, causal, sliding window).
 * ``scores``: scale + optional softcap, in the log2 domain the kernels use for exp2.
 * ``launch_order`` (with the host's ``section_heads``): which (batch, head) and which block
-  a program of a query-block launch (forward, dQ) computes, longest first.
+  a program of a query-block launch (forward, dQ) computes, longest first;
+  ``head_major_tile`` the same for the other launches, one head's blocks after another.
+  Every launch is one-dimensional: CUDA's grid axes y and z stop at 65535, and batch *
+  heads does not.
 
 Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
 query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
@@ -79,6 +82,15 @@ def launch_order(tile, num_blocks, section_heads):
     rank = within // section_heads
     bh = section * section_heads + (within - rank * section_heads)
     return bh, rank
+
+
+@triton.jit
+def head_major_tile(num_blocks):
+    """(bh, block) of this program in a one-dimensional launch of (batch * heads) x
+    ``num_blocks`` programs, one head's blocks after another."""
+    pid = tl.program_id(0)
+    bh = pid // num_blocks
+    return bh, pid - bh * num_blocks
 
 
 @triton.jit

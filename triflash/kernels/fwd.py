@@ -99,8 +99,8 @@ def flash_fwd_kernel(
     UPCAST: tl.constexpr,
 ):
     # Longest (under causal, last) query blocks first, a few heads at a time (launch_order).
-    num_m = tl.num_programs(0)
-    bh, rank = launch_order(tl.program_id(1) * num_m + tl.program_id(0), num_m, section_heads)
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)  # seqlen_q: the longest sequence's length
+    bh, rank = launch_order(tl.program_id(0), num_m, section_heads)
     m_block = num_m - 1 - rank
     batch = bh // nheads
     head = bh % nheads

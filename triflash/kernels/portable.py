@@ -115,7 +115,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     qk_scale, softcap_log2 = p.score_constants()
-    grid = (ceil_div(p.max_seqlen_q, cfg.block_m), s["batch"] * nheads)
+    grid = (ceil_div(p.max_seqlen_q, cfg.block_m) * s["batch"] * nheads,)  # (common.launch_order)
     flash_fwd_kernel[grid](
         q, k, v, out, lse,
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
@@ -134,7 +134,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq, s, p: AttnParams, cfg: BwdConfig, f
     varlen = s["varlen"]
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
     qk_scale, softcap_log2 = p.score_constants()
-    bwd_dq_kernel[(ceil_div(p.max_seqlen_q, cfg.dq_block_m), s["batch"] * nheads)](
+    bwd_dq_kernel[(ceil_div(p.max_seqlen_q, cfg.dq_block_m) * s["batch"] * nheads,)](
         q, k, v, dout, lse, delta, dq,
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
         *_bshd_strides(dout, varlen), *_lse_strides(lse, varlen), *_bshd_strides(dq, varlen),
@@ -171,7 +171,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
 
     delta = alloc_output(lse.shape, torch.float32, lse.device)
     pre_block = 64
-    bwd_preprocess_kernel[(ceil_div(p.max_seqlen_q, pre_block), s["batch"] * nheads)](
+    bwd_preprocess_kernel[(ceil_div(p.max_seqlen_q, pre_block) * s["batch"] * nheads,)](
         out, dout, delta, *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *lse_strides,
         s["ptrs"][0], s["ptrs"][2], nheads, p.max_seqlen_q, s["sizes"][2],
         HEADDIM_V=flags["HEADDIM_V"], BLOCK_M=pre_block, BLOCK_DV=flags["BLOCK_DV"],
@@ -183,7 +183,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     # one launch computing dK and dV, or (split_dkdv) a dV pass and a dK(+dQ) pass
     passes = [(True, False), (False, True)] if cfg.split_dkdv else [(True, True)]
     for do_dk, do_dv in passes:
-        bwd_dkdv_kernel[(ceil_div(p.max_seqlen_k, cfg.dkdv_block_n), s["batch"] * nheads_kv)](
+        bwd_dkdv_kernel[(ceil_div(p.max_seqlen_k, cfg.dkdv_block_n) * s["batch"] * nheads_kv,)](
             q, k, v, dout, lse, delta, dq_accum, dk, dv,
             *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
             *_bshd_strides(dout, varlen), *lse_strides, *_bshd_strides(dq_accum, varlen),
