@@ -5,9 +5,10 @@ Layout: interface.py (public API) -> validation.py -> ops.py (torch.library) ->
 dispatch.py (which kernel serves which case) -> kernels/ (portable Triton tier).
 """
 from .dispatch import force_backend
-from .interface import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
+from .interface import (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                        flash_attn_with_kvcache)
 from .validation import set_check_inputs
 
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
-           "force_backend", "set_check_inputs"]
+           "flash_attn_with_kvcache", "force_backend", "set_check_inputs"]

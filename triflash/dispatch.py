@@ -89,6 +89,8 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
     if (cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None) and not getattr(
             module, "VARLEN", False):
         return "varlen / seqused"
+    if cu_seqlens_q is None and (seqused_q is not None or seqused_k is not None):
+        return "seqused on a dense batch (flash_attn_with_kvcache): not GPU-tested on this tier yet"
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in module.HEAD_DIMS:
         return f"head dims ({d}, {dv}) (needs equal, one of {module.HEAD_DIMS})"

@@ -115,3 +115,53 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     out, lse = ops.attention_qkvpacked(qkv, [num_heads_q, left, right, int(deterministic)],
                                        [float(softmax_scale), float(softcap)])
     return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, page_table=None, cu_seqlens_q=None,
+                            cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                            rotary_interleaved=True, scheduler_metadata=None, num_splits=0,
+                            pack_gqa=None, sm_margin=0, return_softmax_lse=False):
+    """Attention of q against a KV cache, for decoding (forward only, no autograd).
+
+    q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch, seqlen_cache, nheads_kv,
+    headdim[_v]); cache_seqlens: an int or an int32 (batch,) tensor, the tokens already in
+    each sequence's cache (None: the whole cache). With new k, v (batch, seqlen_new,
+    nheads_kv, headdim[_v]), they are first written into the caches in place at rows
+    cache_seqlens .. cache_seqlens + seqlen_new - 1; each sequence then attends to its first
+    cache_seqlens + seqlen_new keys (causal: bottom-right aligned to them, so new query i
+    sees the cache and new keys 0..i when seqlen_q == seqlen_new). Returns out (batch,
+    seqlen_q, nheads, headdim_v), and lse (batch, nheads, seqlen_q) if return_softmax_lse.
+    Paged caches, cache_batch_idx, cache_leftpad, rotary embedding and varlen q are not
+    implemented (a clear NotImplementedError); ``scheduler_metadata``, ``num_splits``,
+    ``pack_gqa`` and ``sm_margin`` are performance hints, accepted and ignored. A row of
+    new tokens past the cache's end is not written: the bounds of a tensor cache_seqlens are
+    checked on the host on the CPU or with ``triflash.set_check_inputs(True)``.
+    """
+    import torch
+
+    from .kernels.kvcache import append_kv
+    V.reject_unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
+                         cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
+                         page_table=(page_table, None), cu_seqlens_q=(cu_seqlens_q, None),
+                         cu_seqlens_k_new=(cu_seqlens_k_new, None), max_seqlen_q=(max_seqlen_q, None),
+                         rotary_seqlens=(rotary_seqlens, None), q_descale=(q_descale, None),
+                         k_descale=(k_descale, None), v_descale=(v_descale, None),
+                         attention_chunk=(attention_chunk, 0))
+    _check_flag("causal", causal)
+    start, used = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens)
+    with torch.no_grad():
+        if k is not None:
+            starts = start if isinstance(start, torch.Tensor) else None
+            append_kv(V.last_dim_contiguous(k), k_cache, starts, 0 if starts is not None else start)
+            append_kv(V.last_dim_contiguous(v), v_cache, starts, 0 if starts is not None else start)
+        q, kc, vc = (V.last_dim_contiguous(x) for x in (q, k_cache, v_cache))
+        softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+        left, right = V.normalize_window(window_size, causal)
+        out, lse = ops.attention(q, kc, vc, None, None, None, used,
+                                 *ops.pack_scalars(q.shape[1], kc.shape[1], softmax_scale, left,
+                                                   right, softcap, False))
+    return (out, lse) if return_softmax_lse else out

@@ -90,28 +90,29 @@ def reject_unsupported(**features):
                   NotImplementedError)
 
 
-def check_qkv(q, k, v, varlen: bool):
+def check_qkv(q, k, v, varlen: bool, names=("q", "k", "v")):
     ndim = 3 if varlen else 4
-    _check_tensor("q", q, ndim)
-    _check_tensor("k", k, ndim)
-    _check_tensor("v", v, ndim)
+    qn, kn, vn = names
+    _check_tensor(qn, q, ndim)
+    _check_tensor(kn, k, ndim)
+    _check_tensor(vn, v, ndim)
     if not (q.dtype == k.dtype == v.dtype):
-        _fail("dtypes", (q.dtype, k.dtype, v.dtype), "q, k and v must share one dtype", TypeError)
+        _fail("dtypes", (q.dtype, k.dtype, v.dtype), f"{qn}, {kn} and {vn} must share one dtype", TypeError)
     check_device(q, k, v)
     if not varlen:
         if not (q.shape[0] == k.shape[0] == v.shape[0]):
-            _fail("batch sizes", (q.shape[0], k.shape[0], v.shape[0]), "q, k and v must share the batch size")
+            _fail("batch sizes", (q.shape[0], k.shape[0], v.shape[0]), f"{qn}, {kn} and {vn} must share the batch size")
         if k.shape[1] != v.shape[1]:
-            _fail("seqlen_k", (k.shape[1], v.shape[1]), "k and v must share seqlen_k")
+            _fail("seqlen_k", (k.shape[1], v.shape[1]), f"{kn} and {vn} must share seqlen_k")
     elif k.shape[0] != v.shape[0]:
         _fail("total_k", (k.shape[0], v.shape[0]), "k and v must share the token count")
-    _check_headdim("q", q.shape[-1])
-    _check_headdim("v", v.shape[-1])
+    _check_headdim(qn, q.shape[-1])
+    _check_headdim(vn, v.shape[-1])
     if k.shape[-1] != q.shape[-1]:
-        _fail("k head dim", k.shape[-1], f"must equal q's head dim {q.shape[-1]}")
+        _fail(f"{kn} head dim", k.shape[-1], f"must equal {qn}'s head dim {q.shape[-1]}")
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
     if v.shape[-2] != nheads_kv:
-        _fail("v nheads", v.shape[-2], f"must equal k's nheads {nheads_kv}")
+        _fail(f"{vn} nheads", v.shape[-2], f"must equal {kn}'s nheads {nheads_kv}")
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         _fail("nheads_kv", nheads_kv, f"must divide nheads={nheads} (GQA/MQA)")
 
@@ -147,3 +148,53 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
                 _fail(name, c.tolist(), f"expected 0 = c[0] <= c[1] <= ... <= c[-1] <= {total} (tokens in the tensor)")
             if batch > 0 and lens.max().item() > mx:
                 _fail(f"max_seqlen_{name[-1]}", mx, f"must be >= the longest sequence, {lens.max().item()}")
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens):
+    """``flash_attn_with_kvcache``'s tensors. Returns (start, used): where the new keys go
+    (an int, or the int32 ``cache_seqlens`` tensor) and the keys each sequence attends to
+    (None: the whole cache; else an int32 (batch,) tensor)."""
+    check_qkv(q, k_cache, v_cache, varlen=False, names=("q", "k_cache", "v_cache"))
+    batch, seqlen_cache = k_cache.shape[0], k_cache.shape[1]
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        _fail("k, v", ("a tensor" if k is not None else None, "a tensor" if v is not None else None),
+              "pass both new k and v, or neither")
+    if k is not None:
+        _check_tensor("k", k, 4)
+        _check_tensor("v", v, 4)
+        seqlen_new = k.shape[1]
+        for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            want = (batch, seqlen_new) + tuple(cache.shape[2:])
+            if tuple(new.shape) != want or new.dtype != cache.dtype:
+                _fail(f"{name}.shape", f"{tuple(new.shape)} {new.dtype}",
+                      f"expected {want} {cache.dtype} (batch, new tokens, {name}_cache's heads and dim)")
+            if cache.stride(-1) != 1:
+                _fail(f"{name}_cache.stride(-1)", cache.stride(-1),
+                      "the cache is updated in place: its last dim must be contiguous")
+        check_device(q, k, v)
+        if cache_seqlens is None:
+            _fail("cache_seqlens", None, "required with new k/v: where each sequence's new tokens go")
+    if cache_seqlens is None:
+        return 0, None
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        _fail("cache_seqlens", type(cache_seqlens).__name__, "expected an int or an int32 tensor (batch,)", TypeError)
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+            _fail("cache_seqlens", cache_seqlens,
+                  f"expected 0 <= cache_seqlens <= {seqlen_cache - seqlen_new} (cache rows {seqlen_cache} "
+                  f"minus {seqlen_new} new tokens)")
+        used = torch.full((batch,), cache_seqlens + seqlen_new, dtype=torch.int32, device=q.device)
+        return cache_seqlens, used
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,) \
+            or not cache_seqlens.is_contiguous():
+        _fail("cache_seqlens", f"tensor{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}",
+              f"expected a contiguous int32 tensor of shape ({batch},)")
+    check_device(q, cache_seqlens)
+    if (_check_inputs or q.device.type == "cpu") and not torch.compiler.is_compiling():
+        c = cache_seqlens.cpu()
+        if (c < 0).any() or (c > seqlen_cache - seqlen_new).any():
+            _fail("cache_seqlens", c.tolist(),
+                  f"expected values in [0, {seqlen_cache - seqlen_new}] (cache rows {seqlen_cache} "
+                  f"minus {seqlen_new} new tokens)")
+    return cache_seqlens, cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
