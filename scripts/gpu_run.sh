@@ -5,7 +5,8 @@
 #   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes); BENCH_ROUNDS:
 #   interleaved timing rounds per case (default 3, the median kept)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png}.
-# The two parts take ~330 s and ~400 s: over one device call's 600 s together, so run
+# The two parts take ~300-350 s each (tests at ffa5513 / d0a8322: 303 / 349 s; the bench
+# with 3 rounds: 349 s): over one device call's 600 s together, so run
 # PARTS=tests and PARTS=bench as two calls (h200.json is rewritten after every case). The
 # 1k-16k sweep runs triflash and the SDPA backends; the other variants and FlexAttention run
 # at seqlen 8192 only.
