@@ -141,3 +141,24 @@ def test_eager_path_matches_the_op():
         results.append((out, lse) + torch.autograd.grad(out, (qkv,), dout))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_kvcache_compiles_fullgraph():
+    """flash_attn_with_kvcache under torch.compile(fullgraph=True): the in-place append is a
+    custom op with a declared mutation (opcheck), so the caches end up as in eager mode."""
+    g = torch.Generator().manual_seed(3)
+    q, k_new, v_new = (torch.randn(2, 1, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(3))
+    k_cache, v_cache = (torch.randn(2, 20, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    cache_seqlens = torch.tensor([3, 7], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(torch.ops.triflash.append_kv.default, (k_new, k_cache.clone(), cache_seqlens, 0))
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    ref = triflash.flash_attn_with_kvcache(q, k_eager, v_eager, k_new, v_new,
+                                           cache_seqlens=cache_seqlens, causal=True)
+
+    def step(q, k_cache, v_cache, k_new, v_new, cache_seqlens):
+        return triflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                cache_seqlens=cache_seqlens, causal=True)
+
+    out = torch.compile(step, backend=BACKEND, fullgraph=True)(q, k_cache, v_cache, k_new, v_new, cache_seqlens)
+    assert max_err(out, ref) == 0.0
+    assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)

@@ -142,8 +142,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     checked on the host on the CPU or with ``triflash.set_check_inputs(True)``.
     """
     import torch
-
-    from .kernels.kvcache import append_kv
     V.reject_unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
                          cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
                          page_table=(page_table, None), cu_seqlens_q=(cu_seqlens_q, None),
@@ -156,8 +154,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     with torch.no_grad():
         if k is not None:
             starts = start if isinstance(start, torch.Tensor) else None
-            append_kv(V.last_dim_contiguous(k), k_cache, starts, 0 if starts is not None else start)
-            append_kv(V.last_dim_contiguous(v), v_cache, starts, 0 if starts is not None else start)
+            start_all = 0 if starts is not None else start
+            ops.append_kv(V.last_dim_contiguous(k), k_cache, starts, start_all)
+            ops.append_kv(V.last_dim_contiguous(v), v_cache, starts, start_all)
         q, kc, vc = (V.last_dim_contiguous(x) for x in (q, k_cache, v_cache))
         softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
         left, right = V.normalize_window(window_size, causal)

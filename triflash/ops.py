@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
+from .kernels import kvcache
 from .kernels.portable import AttnParams, alloc_output
 
 
@@ -232,3 +233,17 @@ def attention_qkvpacked(qkv, ints, floats):
     if torch.compiler.is_compiling():
         return fwd_qkvpacked(qkv, ints, floats)
     return _AttentionQKVPacked.apply(qkv, ints, floats)
+
+
+# ---- KV cache (flash_attn_with_kvcache) --------------------------------------------------
+
+@torch.library.custom_op("triflash::append_kv", mutates_args={"cache"})
+def append_kv(new: Tensor, cache: Tensor, starts: Optional[Tensor], start_all: int) -> None:
+    """Write ``new`` into ``cache`` in place at rows ``starts[b]`` (or ``start_all``): an op,
+    so that torch.compile sees the mutation instead of tracing into the Triton launch."""
+    kvcache.append_kv(new, cache, starts, start_all)
+
+
+@append_kv.register_fake
+def _(new, cache, starts, start_all):
+    return None
