@@ -150,7 +150,8 @@ def test_kvcache_compiles_fullgraph():
     q, k_new, v_new = (torch.randn(2, 1, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(3))
     k_cache, v_cache = (torch.randn(2, 20, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(2))
     cache_seqlens = torch.tensor([3, 7], dtype=torch.int32, device=DEVICE)
-    torch.library.opcheck(torch.ops.triflash.append_kv.default, (k_new, k_cache.clone(), cache_seqlens, 0))
+    torch.library.opcheck(torch.ops.triflash.append_kv.default,
+                          (k_new, v_new, k_cache.clone(), v_cache.clone(), cache_seqlens))
     k_eager, v_eager = k_cache.clone(), v_cache.clone()
     ref = triflash.flash_attn_with_kvcache(q, k_eager, v_eager, k_new, v_new,
                                            cache_seqlens=cache_seqlens, causal=True)

@@ -150,13 +150,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                          k_descale=(k_descale, None), v_descale=(v_descale, None),
                          attention_chunk=(attention_chunk, 0))
     _check_flag("causal", causal)
-    start, used = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens)
+    starts, used = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens)
     with torch.no_grad():
         if k is not None:
-            starts = start if isinstance(start, torch.Tensor) else None
-            start_all = 0 if starts is not None else start
-            ops.append_kv(V.last_dim_contiguous(k), k_cache, starts, start_all)
-            ops.append_kv(V.last_dim_contiguous(v), v_cache, starts, start_all)
+            ops.append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, starts)
         q, kc, vc = (V.last_dim_contiguous(x) for x in (q, k_cache, v_cache))
         softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
         left, right = V.normalize_window(window_size, causal)

@@ -237,13 +237,13 @@ def attention_qkvpacked(qkv, ints, floats):
 
 # ---- KV cache (flash_attn_with_kvcache) --------------------------------------------------
 
-@torch.library.custom_op("triflash::append_kv", mutates_args={"cache"})
-def append_kv(new: Tensor, cache: Tensor, starts: Optional[Tensor], start_all: int) -> None:
-    """Write ``new`` into ``cache`` in place at rows ``starts[b]`` (or ``start_all``): an op,
-    so that torch.compile sees the mutation instead of tracing into the Triton launch."""
-    kvcache.append_kv(new, cache, starts, start_all)
+@torch.library.custom_op("triflash::append_kv", mutates_args={"k_cache", "v_cache"})
+def append_kv(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor) -> None:
+    """Write the new keys and values into the caches in place at rows ``starts[b]`` (one
+    launch): an op, so that torch.compile sees the mutation instead of tracing into Triton."""
+    kvcache.append_kv(k_new, v_new, k_cache, v_cache, starts)
 
 
 @append_kv.register_fake
-def _(new, cache, starts, start_all):
+def _(k_new, v_new, k_cache, v_cache, starts):
     return None

@@ -151,9 +151,9 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens):
-    """``flash_attn_with_kvcache``'s tensors. Returns (start, used): where the new keys go
-    (an int, or the int32 ``cache_seqlens`` tensor) and the keys each sequence attends to
-    (None: the whole cache; else an int32 (batch,) tensor)."""
+    """``flash_attn_with_kvcache``'s tensors. Returns (starts, used): int32 (batch,) tensors,
+    where each sequence's new keys go and how many keys it attends to, or (None, None) for
+    the whole cache."""
     check_qkv(q, k_cache, v_cache, varlen=False, names=("q", "k_cache", "v_cache"))
     batch, seqlen_cache = k_cache.shape[0], k_cache.shape[1]
     seqlen_new = 0
@@ -176,7 +176,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens):
         if cache_seqlens is None:
             _fail("cache_seqlens", None, "required with new k/v: where each sequence's new tokens go")
     if cache_seqlens is None:
-        return 0, None
+        return None, None
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         _fail("cache_seqlens", type(cache_seqlens).__name__, "expected an int or an int32 tensor (batch,)", TypeError)
     if isinstance(cache_seqlens, int):
@@ -184,8 +184,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens):
             _fail("cache_seqlens", cache_seqlens,
                   f"expected 0 <= cache_seqlens <= {seqlen_cache - seqlen_new} (cache rows {seqlen_cache} "
                   f"minus {seqlen_new} new tokens)")
-        used = torch.full((batch,), cache_seqlens + seqlen_new, dtype=torch.int32, device=q.device)
-        return cache_seqlens, used
+        starts = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        return starts, starts + seqlen_new
     if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,) \
             or not cache_seqlens.is_contiguous():
         _fail("cache_seqlens", f"tensor{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}",
@@ -197,4 +197,4 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens):
             _fail("cache_seqlens", c.tolist(),
                   f"expected values in [0, {seqlen_cache - seqlen_new}] (cache rows {seqlen_cache} "
                   f"minus {seqlen_new} new tokens)")
-    return cache_seqlens, cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    return cache_seqlens, cache_seqlens + seqlen_new

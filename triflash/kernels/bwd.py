@@ -23,7 +23,7 @@ in registers in a fixed order: no extra buffer, no reduction kernel, determinist
 import triton
 import triton.language as tl
 
-from .common import head_major_tile, launch_order, m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
+from .common import launch_order, m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def bwd_preprocess_kernel(
     HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
 ):
-    bh, m_block = head_major_tile(tl.cdiv(seqlen_q, BLOCK_M))
+    bh, m_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_q, BLOCK_M), 1)
     batch = bh // nheads
     head = bh % nheads
     start_q, len_q, _, _ = seqlen_info(batch, seqlen_q, 0, total_q, 0, cu_seqlens_q, cu_seqlens_q,
@@ -131,7 +131,7 @@ def bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    bh, n_block = head_major_tile(tl.cdiv(seqlen_k, BLOCK_N))  # seqlen_k: the longest
+    bh, n_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_k, BLOCK_N), 1)  # seqlen_k: the longest
     batch = bh // nheads_kv
     head_kv = bh % nheads_kv
     group = nheads // nheads_kv

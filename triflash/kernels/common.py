@@ -8,11 +8,10 @@
   a mask and the blocks that do not.
 * ``visible``: the element-wise mask (sequence tail, causal, sliding window).
 * ``scores``: scale + optional softcap, in the log2 domain the kernels use for exp2.
-* ``launch_order`` (with the host's ``section_heads``): which (batch, head) and which block
-  a program of a query-block launch (forward, dQ) computes, longest first;
-  ``head_major_tile`` the same for the other launches, one head's blocks after another.
-  Every launch is one-dimensional: CUDA's grid axes y and z stop at 65535, and batch *
-  heads does not.
+* ``launch_order`` (with the host's ``launch_sections``): which (batch, head) and which block
+  a program computes: query-block launches (forward, dQ) longest first, a few heads at a
+  time; the others (sections of one head) one head's blocks after another. Every launch
+  is one-dimensional: CUDA's grid axes y and z stop at 65535, and batch * heads does not.
 
 Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
 query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
@@ -66,31 +65,30 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return best
 
 
+def launch_sections(batch, nheads, k, v, seqlen_k, window_left, window_right) -> int:
+    """``section_heads`` of a query-block launch over ``batch`` x ``nheads`` query heads
+    reading ``k``, ``v`` (any layout: their head count, head dims and element size count)."""
+    return section_heads(batch * nheads, nheads, k.shape[-2], seqlen_k,
+                         (k.shape[-1] + v.shape[-1]) * k.element_size(),
+                         window_left >= 0 or window_right >= 0)
+
+
 @triton.jit
 def launch_order(tile, num_blocks, section_heads):
-    """Program ``tile`` of a launch over (batch * heads) x ``num_blocks`` query-block tiles
-    -> (bh, rank), rank 0 a head's longest block (under causal, its last query block).
+    """Program ``tile`` of a launch over (batch * heads) x ``num_blocks`` tiles -> (bh,
+    rank); for query blocks, rank 0 is a head's longest block (under causal, its last).
 
     Heads go in sections of ``section_heads`` (a divisor of batch * heads); inside a section
     the tiles go rank by rank across its heads, so the longest tiles of several heads start
     first and no SM is left finishing a long tile while the others idle (longest processing
     time first, FlashAttention-3's causal scheduler). A section's K/V fit in L2, so its tiles
-    read them from there. ``section_heads`` = 1: one head after another, longest first."""
+    read them from there. ``section_heads`` = 1: one head after another (rank = block)."""
     per_section = section_heads * num_blocks
     section = tile // per_section
     within = tile - section * per_section
     rank = within // section_heads
     bh = section * section_heads + (within - rank * section_heads)
     return bh, rank
-
-
-@triton.jit
-def head_major_tile(num_blocks):
-    """(bh, block) of this program in a one-dimensional launch of (batch * heads) x
-    ``num_blocks`` programs, one head's blocks after another."""
-    pid = tl.program_id(0)
-    bh = pid // num_blocks
-    return bh, pid - bh * num_blocks
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
-from .common import LOG2E, ceil_div, section_heads
+from .common import LOG2E, ceil_div, launch_sections
 from .configs import BwdConfig, FwdConfig
 from .fwd import flash_fwd_kernel
 
@@ -87,12 +87,8 @@ def _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnPar
     )
 
 
-def _section_heads(q, k, v, s, p: AttnParams):
-    """``launch_order``'s heads per section for this problem's query-block launches."""
-    nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    return section_heads(s["batch"] * nheads, nheads, nheads_kv, p.max_seqlen_k,
-                         (k.shape[-1] + v.shape[-1]) * k.element_size(),
-                         p.window_left >= 0 or p.window_right >= 0)
+def _sections(q, k, v, s, p: AttnParams):
+    return launch_sections(s["batch"], q.shape[-2], k, v, p.max_seqlen_k, p.window_left, p.window_right)
 
 
 def _common_flags(q, v, p: AttnParams, upcast: bool):
@@ -121,7 +117,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
         *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
         *s["ptrs"], nheads, nheads_kv, *s["sizes"],
-        qk_scale, softcap_log2, p.window_left, p.window_right, _section_heads(q, k, v, s, p),
+        qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -140,7 +136,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq, s, p: AttnParams, cfg: BwdConfig, f
         *_bshd_strides(dout, varlen), *_lse_strides(lse, varlen), *_bshd_strides(dq, varlen),
         *s["ptrs"], nheads, nheads_kv, *s["sizes"],
         qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
-        _section_heads(q, k, v, s, p),
+        _sections(q, k, v, s, p),
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **s["flags"], **flags,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )

@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .. import configs, portable
 from . import bwd_dq
-from ..common import ceil_div, head_major_tile, seqlen_info, tanh
+from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, stat_descriptor, stat_row0,
                      stat_rows, tma_compatible)
 
@@ -377,7 +377,7 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
     leave a sequence's rows, see ``common.stat_row0``): Delta = rowsum(dO * O) (0 past
     len_q) and lse in log2 units, +inf past len_q and for rows that saw no key (lse = -inf),
     so that P = exp2(S - lse) is 0 there."""
-    bh, m_block = head_major_tile(tl.cdiv(seqlen_q, BLOCK_M))  # seqlen_q: the longest
+    bh, m_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_q, BLOCK_M), 1)  # seqlen_q: the longest
     batch = bh // nheads
     head = bh % nheads
     start_q, len_q, _, _ = seqlen_info(batch, seqlen_q, 0, total_q, 0, CU_Q, CU_Q, USED_Q, USED_Q,

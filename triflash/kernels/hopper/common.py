@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
-from ..common import launch_order, m_block_range, n_block_range, section_heads, seqlen_info
+from ..common import launch_order, launch_sections, m_block_range, n_block_range, seqlen_info
 
 
 @gluon.constexpr_function
@@ -240,9 +240,8 @@ class Problem:
 
     def section_heads(self, k, v, params) -> int:
         """Heads per section of the query-tile launch order (``common.launch_order``)."""
-        return section_heads(self.batch * self.nheads, self.nheads, self.nheads_kv, self.seqlen_k,
-                             (k.shape[-1] + v.shape[-1]) * k.element_size(),
-                             params.window_left >= 0 or params.window_right >= 0)
+        return launch_sections(self.batch, self.nheads, k, v, self.seqlen_k, params.window_left,
+                               params.window_right)
 
     def view(self, x):
         """x as the kernels' 4D tensor (lse / stat buffers: 3D)."""
