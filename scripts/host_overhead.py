@@ -7,6 +7,10 @@ through the public API (eager: an autograd.Function) and through the torch.libra
     python scripts/host_overhead.py [--out DIR]     on an sm90 GPU
     python scripts/host_overhead.py --cpu-mock      no GPU: CPU tensors, the sm90 dispatch
         with every kernel launch stubbed out (the Python side alone; launches not counted)
+    python scripts/host_overhead.py --breakdown [--out DIR]   on an sm90 GPU, 16x1024x16x128
+        causal: host time per call of each layer of the forward (public API, dispatch, the
+        Hopper host code, building the arguments, Triton's JIT launch, the compiled kernel's
+        launcher alone) and of the backward, to see where a 1k-token call spends its time
 
 One JSON line on stdout (+ DIR/host-overhead[-cpu-mock].json).
 """
@@ -57,11 +61,60 @@ def _time(fn, cuda, n=50, trials=5):
     return round(best_host * 1e3, 3), round(best_total * 1e3, 3)
 
 
+def breakdown():
+    """{layer: host ms per call} of the forward's layers and the backward (sm90 GPU)."""
+    from triflash import dispatch
+    from triflash.kernels import configs, portable
+    from triflash.kernels.hopper import fwd as H
+    b, s, h, d = 16, 1024, 16, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    params = portable.AttnParams(d ** -0.5, -1, 0, 0.0, s, s)
+    cfg = configs.SM90_HOPPER_FWD[d]
+    out, lse = portable.alloc_fwd_outputs(q, v, False)
+    grid, kargs = H.kernel_args(q, k, v, out, lse, params, cfg)
+    compiled = H.hopper_fwd_kernel[grid](*kargs, num_warps=4)
+    layers = {
+        "fwd api (grad)": lambda: triflash.flash_attn_func(q, k, v, causal=True),
+        "fwd api (no_grad)": lambda: _no_grad(lambda: triflash.flash_attn_func(q, k, v, causal=True)),
+        "fwd dispatch.run_fwd": lambda: dispatch.run_fwd(q, k, v, None, None, None, None, params),
+        "fwd alloc out+lse": lambda: portable.alloc_fwd_outputs(q, v, False),
+        "fwd hopper.fwd": lambda: H.fwd(q, k, v, out, lse, params, cfg),
+        "fwd kernel_args": lambda: H.kernel_args(q, k, v, out, lse, params, cfg),
+        "fwd jit launch": lambda: H.hopper_fwd_kernel[grid](*kargs, num_warps=4),
+        "fwd compiled launch": lambda: compiled[grid](*kargs),
+    }
+    rows = {}
+    for name, fn in layers.items():
+        try:
+            rows[name] = _time(fn, True, n=200)[0]
+        except Exception as e:  # e.g. the compiled kernel's runner wants other arguments
+            rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    o = triflash.flash_attn_func(q, k, v, causal=True)
+    do = torch.randn_like(o)
+    rows["bwd autograd.grad"] = _time(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
+                                      True, n=100)[0]
+    return dict(shape=[b, s, h, d], causal=True, host_ms=rows)
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--cpu-mock", action="store_true")
+    ap.add_argument("--breakdown", action="store_true")
     args = ap.parse_args()
+    if args.breakdown:
+        res = breakdown()
+        print(json.dumps(res), flush=True)
+        if args.out:
+            with open(os.path.join(args.out, "host-breakdown.json"), "w") as f:
+                json.dump(dict(res, device=torch.cuda.get_device_name(), torch=torch.__version__), f, indent=1)
+        return
     cuda = not args.cpu_mock
     if args.cpu_mock:
         _mock_sm90()

@@ -114,12 +114,15 @@ HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {("causal", 64): 448, ("window-softcap", 64
 
 def test_hopper_forward_compiles_for_sm90a():
     """Every tile of configs.SM90_HOPPER_FWD, fp16 and bf16, plain / causal / window+softcap,
-    dense and (bf16) varlen; head dim 64 with three consumer warpgroups."""
+    dense, (bf16) varlen and (bf16) the KV-cache form; head dim 64 with three consumer
+    warpgroups."""
     from triflash.kernels import configs
     rows = _compiled("fwd")
     assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_FWD)
     assert {r["headdim"] for r in rows if r.get("varlen")} == set(configs.SM90_HOPPER_FWD)
     assert any(r.get("num_consumers") == 3 for r in rows)
+    # flash_attn_with_kvcache's form (dense, seqused_k) is held to the dense budgets
+    assert {r["headdim"] for r in rows if r.get("kvcache")} == set(configs.SM90_HOPPER_FWD)
     for r in rows:
         if r.get("num_consumers") == 3:
             budget = HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_FWD_3WG_SPILL_BUDGET

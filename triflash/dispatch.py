@@ -89,8 +89,6 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
     if (cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None) and not getattr(
             module, "VARLEN", False):
         return "varlen / seqused"
-    if cu_seqlens_q is None and (seqused_q is not None or seqused_k is not None):
-        return "seqused on a dense batch (flash_attn_with_kvcache): not GPU-tested on this tier yet"
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in module.HEAD_DIMS:
         return f"head dims ({d}, {dv}) (needs equal, one of {module.HEAD_DIMS})"
@@ -109,6 +107,9 @@ def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
 def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
     """'' when the Gluon backward serves this case, else why not."""
     why_not = _hopper_supports(hopper_bwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+    if not why_not and cu_seqlens_q is None and (seqused_q is not None or seqused_k is not None):
+        # only flash_attn_with_kvcache (forward only) makes seqused on a dense batch
+        why_not = "seqused on a dense batch: not GPU-tested on this tier's backward"
     # its dK/dV grid is (key blocks, KV heads, batch): CUDA's y and z axes stop at 65535
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
     if not why_not and max(batch, k.shape[-2]) > GRID_YZ_MAX:

@@ -84,3 +84,24 @@ def plot(results, path, title=""):
 
 
 __all__ = ["plot"]
+
+
+def main(argv=None):
+    """``python -m triflash.bench.plot RESULTS.json [OUT.png]``: the plot of a committed run
+    (older runs keep only their JSON in benchmarks/results/)."""
+    import json
+    import os
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    if not args or len(args) > 2:
+        raise SystemExit("usage: python -m triflash.bench.plot RESULTS.json [OUT.png]")
+    with open(args[0]) as fh:
+        data = json.load(fh)
+    meta = data.get("meta", {})
+    out = args[1] if len(args) > 1 else os.path.splitext(args[0])[0] + ".png"
+    title = f"{meta.get('gpu', '')} -- commit {str(meta.get('commit', ''))[:10]}"
+    return 0 if plot(data["results"], out, title) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -92,20 +92,26 @@ def _backward(headdim, dtype, feature, varlen):
     return pb, tensors, torch.empty(shape), torch.empty(shape), p
 
 
-def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cfg=None) -> dict:
+def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cfg=None,
+                kvcache: bool = False) -> dict:
     """The forward with the tile of ``configs.SM90_HOPPER_FWD`` (or ``cfg``); ``varlen``:
-    packed (total, heads, dim) tensors with cu_seqlens (and seqused_k)."""
+    packed (total, heads, dim) tensors with cu_seqlens (and seqused_k); ``kvcache``: a dense
+    batch with seqused_k (what ``flash_attn_with_kvcache`` runs)."""
     import torch
 
     from .. import configs
     from . import fwd as H
     cfg = cfg or configs.SM90_HOPPER_FWD[headdim]
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
+    if kvcache:
+        used = torch.zeros(q.shape[0], dtype=torch.int32)
     _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers)
     if varlen:
         row["varlen"] = True
+    if kvcache:
+        row["kvcache"] = True
     return dict(row, **_compile(H.hopper_fwd_kernel, args))
 
 
@@ -148,11 +154,13 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
 
 
 def all_fwd(dtypes=("bf16", "fp16")):
-    """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes and varlen in bf16."""
+    """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes, varlen in bf16, and the
+    KV-cache form (dense, seqused_k) in bf16 with causal and with window + softcap."""
     from .. import configs
     dims = sorted(configs.SM90_HOPPER_FWD)
     return ([compile_fwd(d, dt, f) for d in dims for dt in dtypes for f in FEATURES]
-            + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES])
+            + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
+            + [compile_fwd(d, "bf16", f, kvcache=True) for d in dims for f in ("causal", "window-softcap")])
 
 
 def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
