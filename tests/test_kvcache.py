@@ -90,9 +90,15 @@ def test_kvcache_bad_input():
         triflash.flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn)
     with pytest.raises(ValueError, match="cache_seqlens=10"):
         triflash.flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn, cache_seqlens=10)
-    with pytest.raises(ValueError, match=r"cache_seqlens=\[3, 10\]"):
-        triflash.flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn,
-                                         cache_seqlens=torch.tensor([3, 10], dtype=torch.int32, device=DEVICE))
+    # the values of a cache_seqlens tensor: read on the CPU, and on a GPU under
+    # set_check_inputs(True) (a device-to-host sync, off by default like the varlen checks)
+    triflash.set_check_inputs(True)
+    try:
+        with pytest.raises(ValueError, match=r"cache_seqlens=\[3, 10\]"):
+            triflash.flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn,
+                                             cache_seqlens=torch.tensor([3, 10], dtype=torch.int32, device=DEVICE))
+    finally:
+        triflash.set_check_inputs(False)
     with pytest.raises(ValueError, match="cache_seqlens"):
         triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([3, 1], device=DEVICE))
     with pytest.raises(ValueError, match="k.shape"):

@@ -195,6 +195,13 @@ class FlashAttn(Impl):
 
     def version(self):
         top = self.module.split(".")[0]
+        try:  # the installed distribution (FA4's module has no __version__): "flash-attn-4 4.0.0b36"
+            from importlib import metadata
+            dists = sorted(set(metadata.packages_distributions().get(top, [])))
+            if dists:
+                return f"{self.module} ({', '.join(f'{d} {metadata.version(d)}' for d in dists)})"
+        except Exception:  # metadata unavailable: fall back to the module's own attribute
+            pass
         mod = importlib.import_module(top)
         return f"{self.module} {getattr(mod, '__version__', '')}".strip()
 
