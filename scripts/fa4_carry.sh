@@ -23,8 +23,13 @@ tar -C .fa4/unpacked -cf - . | xz -9e -T0 > .fa4/libs-cu13.tar.xz
 rm -rf .fa4/unpacked "$big"
 du -sh .whl .fa4/libs-cu13.tar.xz
 cat <<'MSG'
-Device calls (the second within 30 s of the first, same machine):
+Device calls (the second within 30 s of the first, same machine; the tree travels with each
+call, so tracked files must stay under ~3.5 MB beside the 63.5 MB tarball: older runs keep
+their JSON only). Used at bb86392 (benchmarks/NOTES.md):
   1. carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+       (plus anything that needs no FA4, e.g. PARTS=tests bash scripts/gpu_run.sh COMMIT $OUT)
   2. carry [".fa4"]:  tar -xJf .fa4/libs-cu13.tar.xz -C /tmp/site && \
-       PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages bash scripts/gpu_run.sh COMMIT $OUT
+       PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages PARTS=bench bash scripts/gpu_run.sh COMMIT $OUT
+  FA4 stays installed while the machine is warm (30 s between calls): a third call can
+  benchmark with it again under the same PYTHONPATH.
 MSG

@@ -6,7 +6,8 @@
     python scripts/readme_table.py part1.json part2.json     # a run split in several parts
 
 Rows are cases (batch x seqlen x heads x headdim, causal), columns are impls with
-"fwd / bwd" TFLOPS (FlashAttention's convention), plus triflash's bwd/fwd time ratio. A
+"fwd / bwd" TFLOPS (FlashAttention's convention), triflash's ratios to SDPA-cuDNN and (when
+measured) FlashAttention-4, plus triflash's bwd/fwd time ratio. A
 result that failed its correctness check is shown with "FAIL"; "-" means not measured
 (skipped or unsupported). ``--update`` replaces the text between
 ``<!-- bench-table:start -->`` and ``<!-- bench-table:end -->`` in the given file.
@@ -75,6 +76,9 @@ def markdown(data, modes=("fwd", "bwd")):
     vs_cudnn = ratio_impl and "sdpa-cudnn" in impls
     if vs_cudnn:
         head.append(f"{ratio_impl} / sdpa-cudnn {' / '.join(modes)}")
+    vs_fa4 = ratio_impl and "fa4" in impls
+    if vs_fa4:
+        head.append(f"{ratio_impl} / fa4 {' / '.join(modes)}")
     if ratio_impl and "fwd" in modes and "bwd" in modes:
         head.append(f"{ratio_impl} bwd/fwd time")
     dtypes = sorted({r["dtype"] for r in results})
@@ -82,9 +86,10 @@ def markdown(data, modes=("fwd", "bwd")):
     for key, r in cases:
         row = [case_name(r), "yes" if r["causal"] else "no"]
         row += [" / ".join(cell(table[key].get((i, m))) for m in modes) for i in impls]
-        if vs_cudnn:
-            row.append(" / ".join(_ratio(table[key].get((ratio_impl, m)), table[key].get(("sdpa-cudnn", m)))
-                                  for m in modes))
+        for peer, wanted in (("sdpa-cudnn", vs_cudnn), ("fa4", vs_fa4)):
+            if wanted:
+                row.append(" / ".join(_ratio(table[key].get((ratio_impl, m)), table[key].get((peer, m)))
+                                      for m in modes))
         if len(head) > len(row):
             bwd = table[key].get((ratio_impl, "bwd")) or {}
             row.append(f"{bwd['bwd_fwd_ratio']:.2f}" if bwd.get("bwd_fwd_ratio") else "-")

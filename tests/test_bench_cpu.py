@@ -134,3 +134,21 @@ def test_rounds_interleave_and_take_the_median(tmp_path):
             assert r["tflops"] * r["ms"] == pytest.approx(2.5 * fwd["tflops"] * fwd["ms"])
     with pytest.raises(SystemExit, match="rounds"):
         main(["--device", "cpu", "--rounds", "0"])
+
+
+def test_readme_table_ratios_to_cudnn_and_fa4():
+    """The README table's ratio columns: triflash over SDPA-cuDNN and over FA4 when measured."""
+    spec = importlib.util.spec_from_file_location(
+        "readme_table", pathlib.Path(__file__).parents[1] / "scripts" / "readme_table.py")
+    readme_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme_table)
+    base = dict(batch=1, seqlen_q=8192, seqlen_k=8192, nheads=36, nheads_kv=36, headdim=256,
+                headdim_v=256, causal=False, window_size=[-1, -1], dtype="bf16", passed=True)
+    rows = [dict(base, impl=i, mode=m, tflops=t, bwd_fwd_ratio=3.0 if m == "bwd" else None)
+            for i, ts in (("triflash", (600.0, 400.0)), ("sdpa-cudnn", (500.0, 400.0)),
+                          ("fa4", (750.0, 320.0))) for m, t in zip(("fwd", "bwd"), ts)]
+    text = readme_table.markdown(dict(meta=dict(gpu="x", commit="abc", date="d"), results=rows))
+    assert "triflash / sdpa-cudnn fwd / bwd | triflash / fa4 fwd / bwd" in text
+    assert "| 1.20x / 1.00x | 0.80x / 1.25x |" in text
+    rows = [r for r in rows if r["impl"] != "fa4"]  # no FA4: no FA4 column
+    assert "/ fa4" not in readme_table.markdown(dict(meta=dict(gpu="x", commit="abc", date="d"), results=rows))
