@@ -163,3 +163,35 @@ def test_kvcache_compiles_fullgraph():
     out = torch.compile(step, backend=BACKEND, fullgraph=True)(q, k_cache, v_cache, k_new, v_new, cache_seqlens)
     assert max_err(out, ref) == 0.0
     assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+
+
+def test_kvcache_paged_rotary_compiles_fullgraph():
+    """The paged / rotary / varlen-q forms trace too: the rotation and the varlen padding are
+    torch ops, the attention is triflash::fwd_kvcache (opcheck), the append triflash::append_kv."""
+    g = torch.Generator().manual_seed(4)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    q = torch.randn(5, 4, 32, generator=g).to(DEVICE, torch.float16)           # varlen: 2 + 3 tokens
+    k_new, v_new = (torch.randn(2, 1, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    k_blocks, v_blocks = (torch.randn(8, 4, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    table = torch.tensor([[5, 1, 6], [0, 7, 2]], **i32)
+    cos, sin = (torch.randn(20, 8, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    cu = torch.tensor([0, 2, 5], **i32)
+    seqlens, leftpad = torch.tensor([4, 9], **i32), torch.tensor([1, 0], **i32)
+    torch.library.opcheck(torch.ops.triflash.append_kv.default,
+                          (k_new, v_new, k_blocks.clone(), v_blocks.clone(), seqlens, None, table))
+    qd = torch.randn(2, 3, 4, 32, generator=g).to(DEVICE, torch.float16)
+    torch.library.opcheck(torch.ops.triflash.fwd_kvcache.default,
+                          (qd, k_blocks, v_blocks, torch.tensor([3, 2], **i32), seqlens + 1, None, leftpad,
+                           table, [3, 12, -1, 0, 0], [32 ** -0.5, 0.0]))
+
+    def step(q, k_cache, v_cache, k_new, v_new):
+        return triflash.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+            cache_leftpad=leftpad, page_table=table, cu_seqlens_q=cu, max_seqlen_q=3, causal=True,
+            return_softmax_lse=True)
+
+    k_eager, v_eager = k_blocks.clone(), v_blocks.clone()
+    ref, lse_ref = step(q, k_eager, v_eager, k_new, v_new)
+    out, lse = torch.compile(step, backend=BACKEND, fullgraph=True)(q, k_blocks, v_blocks, k_new, v_new)
+    assert max_err(out, ref) == 0.0 and torch.equal(lse, lse_ref)
+    assert torch.equal(k_blocks, k_eager) and torch.equal(v_blocks, v_eager)

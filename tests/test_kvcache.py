@@ -80,10 +80,30 @@ def test_kvcache_bad_input():
     q = _rand(2, 1, 2, 32, dtype=torch.float16)
     kc, vc = _rand(2, 10, 2, 32, dtype=torch.float16), _rand(2, 10, 2, 32, dtype=torch.float16)
     kn = _rand(2, 1, 2, 32, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="page_table"):
-        triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="cache_batch_idx"):
-        triflash.flash_attn_with_kvcache(q, kc, vc, cache_batch_idx=torch.zeros(2, dtype=torch.int32))
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_k_new"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, cu_seqlens_k_new=torch.zeros(3, **i32))
+    with pytest.raises(ValueError, match="page_table"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(3, 1, **i32))
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(2, 1, **i32),
+                                         cache_batch_idx=torch.zeros(2, **i32))
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, cache_batch_idx=torch.tensor([0, 2], **i32))
+    with pytest.raises(ValueError, match=r"k_cache.shape\[0\]"):
+        triflash.flash_attn_with_kvcache(q, kc[:1], vc[:1])
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.tensor([0, 3], **i32))
+    with pytest.raises(ValueError, match="rotary_cos, rotary_sin"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=1, rotary_cos=torch.ones(10, 8))
+    with pytest.raises(ValueError, match=r"rotary_cos.shape\[1\]"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=1,
+                                         rotary_cos=torch.ones(10, 17, device=DEVICE), rotary_sin=torch.ones(10, 17, device=DEVICE))
+    with pytest.raises(ValueError, match="new k and v"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, rotary_cos=torch.ones(10, 8, device=DEVICE),
+                                         rotary_sin=torch.ones(10, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        triflash.flash_attn_with_kvcache(q[0], kc, vc, cu_seqlens_q=torch.tensor([0, 1, 1], **i32))
     with pytest.raises(ValueError, match="k, v"):
         triflash.flash_attn_with_kvcache(q, kc, vc, k=kn, cache_seqlens=1)
     with pytest.raises(ValueError, match="cache_seqlens=None"):
@@ -108,3 +128,132 @@ def test_kvcache_bad_input():
         triflash.flash_attn_with_kvcache(q, wide, vc, k=kn, v=kn, cache_seqlens=1)
     with pytest.raises(ValueError, match="k_cache head dim"):
         triflash.flash_attn_with_kvcache(q, kc[..., :16], vc)
+
+
+# ---- the KV cache's other forms: paged, cache_batch_idx, cache_leftpad, rotary, varlen q ----
+
+def _rotate_ref(x, cos, sin, offsets, interleaved, same_position=False):
+    """FlashAttention's reference rotation (rotate_half form), one sequence at a time, fp32."""
+    out = x.clone()
+    rot = 2 * cos.shape[1]
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            p = int(offsets[b]) + (0 if same_position else i)
+            if rot == 0 or p >= cos.shape[0]:
+                continue
+            c, s_ = cos[p].float(), sin[p].float()
+            c = c.repeat_interleave(2) if interleaved else torch.cat([c, c])
+            s_ = s_.repeat_interleave(2) if interleaved else torch.cat([s_, s_])
+            xr = x[b, i, :, :rot].float()
+            if interleaved:
+                half = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+            else:
+                half = torch.cat((-xr[..., rot // 2:], xr[..., :rot // 2]), dim=-1)
+            out[b, i, :, :rot] = (xr * c + half * s_).to(x.dtype)
+    return out
+
+
+SCENARIOS = {
+    # name: page_size (None: dense), batch_idx, leftpad, rotary fraction, interleaved, varlen q, mask
+    "paged-1": (1, False, False, 0.0, False, False, "causal"),
+    "paged-16-leftpad": (16, False, True, 0.0, False, False, "causal"),
+    "paged-8-rotary": (8, False, False, 1.0, True, False, "window"),
+    "batch-idx": (None, True, False, 0.0, False, False, "none"),
+    "batch-idx-leftpad-rotary": (None, True, True, 0.5, False, False, "causal"),
+    "leftpad": (None, False, True, 0.0, False, False, "window"),
+    "rotary-neox-noncausal": (None, False, False, 0.5, False, False, "none"),
+    "rotary-gptj-causal": (None, False, False, 1.0, True, False, "causal"),
+    "varlen-q": (None, False, False, 0.0, False, True, "causal"),
+    "varlen-q-paged-rotary": (4, False, True, 0.5, True, True, "causal"),
+    "varlen-q-batch-idx": (None, True, False, 0.0, False, True, "none"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_kvcache_forms(scenario, dtype):
+    """Each form against the reference built the way FlashAttention-3's test builds it: the
+    logical cache of sequence b (its pages in order / its cache_batch_idx row), the rotated
+    new keys written at cache_seqlens, attention of the rotated q over keys cache_leftpad ..
+    cache_seqlens + seqlen_new - 1."""
+    page, use_idx, use_leftpad, rot_frac, interleaved, varlen, mask = SCENARIOS[scenario]
+    causal, window, _ = MASKS[mask]
+    torch.manual_seed(hash(scenario) % 1000)
+    batch, h, hk, d, cap, sq, sn = 3, 4, 2, 64, 48, 4, 3
+    kw = dict(dtype=dtype)
+    rot = int(rot_frac * d) // 16 * 16
+    q = _rand(batch, sq, h, d, **kw)
+    k_new, v_new = _rand(batch, sn, hk, d, **kw), _rand(batch, sn, hk, d, **kw)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([0, 17, cap - sn], **i32)
+    leftpad = torch.tensor([0, 5, 30], **i32) if use_leftpad else None
+    if page:
+        pages = cap // page
+        num_blocks = batch * pages * 2
+        k_blocks, v_blocks = _rand(num_blocks, page, hk, d, **kw), _rand(num_blocks, page, hk, d, **kw)
+        table = torch.randperm(num_blocks, device=DEVICE)[:batch * pages].to(torch.int32).view(batch, pages)
+        k_cache, v_cache, idx = k_blocks, v_blocks, None
+
+        def logical(blocks):
+            return blocks[table.long()].reshape(batch, cap, hk, d)
+    else:
+        table = None
+        cache_batch = batch + 2 if use_idx else batch
+        k_cache, v_cache = _rand(cache_batch, cap, hk, d, **kw), _rand(cache_batch, cap, hk, d, **kw)
+        idx = torch.tensor([2, 0, 4], **i32) if use_idx else None
+
+        def logical(c):
+            return c[idx.long()] if idx is not None else c.clone()
+    cos = sin = None
+    if rot:
+        angle = torch.rand(cap + sq, rot // 2, device=DEVICE) * 6.283
+        cos, sin = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+    # the reference: logical caches updated with the (rotated) new keys
+    k_ref, v_ref = logical(k_cache), logical(v_cache)
+    k_rot = _rotate_ref(k_new, cos, sin, seqlens, interleaved) if rot else k_new
+    q_rot = _rotate_ref(q, cos, sin, seqlens, interleaved, same_position=not (causal or window != (-1, -1))) if rot else q
+    for b in range(batch):
+        s0 = int(seqlens[b])
+        k_ref[b, s0:s0 + sn], v_ref[b, s0:s0 + sn] = k_rot[b], v_new[b]
+    if varlen:
+        lens = [4, 1, 3]
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), **i32)
+        q_in = torch.cat([q[b, :n] for b, n in enumerate(lens)])
+    else:
+        lens, cu, q_in = [sq] * batch, None, q
+    out, lse = triflash.flash_attn_with_kvcache(
+        q_in, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        cache_batch_idx=idx, cache_leftpad=leftpad, page_table=table, cu_seqlens_q=cu,
+        max_seqlen_q=max(lens) if varlen else None, causal=causal, window_size=window,
+        rotary_interleaved=interleaved, return_softmax_lse=True)
+    # the caches were written in place, in the logical order
+    assert torch.allclose(logical(k_cache).float(), k_ref.float(), atol=1e-2 if rot else 0, rtol=0)
+    assert torch.equal(logical(v_cache), v_ref)
+    assert out.shape == q_in.shape and lse.shape == ((h, q_in.shape[0]) if varlen else (batch, h, sq))
+    for b in range(batch):
+        start, end, n = int(leftpad[b]) if leftpad is not None else 0, int(seqlens[b]) + sn, lens[b]
+        qb = q_rot[b:b + 1, :n]
+        kb, vb = k_ref[b:b + 1, start:end], v_ref[b:b + 1, start:end]
+        ref, lse_ref = attention_ref(qb, kb, vb, causal=causal, window_size=window)
+        lowp, _ = attention_ref(qb, kb, vb, causal=causal, window_size=window, upcast=False)
+        if varlen:
+            o, l_ = out[int(cu[b]):int(cu[b + 1])][None], lse[:, int(cu[b]):int(cu[b + 1])][None]
+        else:
+            o, l_ = out[b:b + 1], lse[b:b + 1]
+        assert_forward_matches(o, l_, ref, lse_ref, lowp)
+
+
+def test_rotary_matches_the_reference_form():
+    """triflash.rotary (pair formulas) against the rotate_half form, both layouts, positions
+    past the tables left unrotated."""
+    from triflash.rotary import apply_rotary
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 64, device=DEVICE, dtype=torch.bfloat16)
+    cos, sin = torch.randn(6, 16, device=DEVICE), torch.randn(6, 16, device=DEVICE)
+    offsets = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    for interleaved in (False, True):
+        for same in (False, True):
+            got = apply_rotary(x, cos, sin, offsets, interleaved, same_position=same)
+            want = _rotate_ref(x, cos, sin, offsets, interleaved, same_position=same)
+            assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=0)
+            assert torch.equal(got[..., 32:], x[..., 32:])

@@ -15,6 +15,7 @@ Semantics shared by every function:
 """
 from . import ops
 from . import validation as V
+from .rotary import apply_rotary
 
 
 def _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk):
@@ -127,37 +128,99 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             pack_gqa=None, sm_margin=0, return_softmax_lse=False):
     """Attention of q against a KV cache, for decoding (forward only, no autograd).
 
-    q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch, seqlen_cache, nheads_kv,
-    headdim[_v]); cache_seqlens: an int or an int32 (batch,) tensor, the tokens already in
-    each sequence's cache (None: the whole cache). With new k, v (batch, seqlen_new,
-    nheads_kv, headdim[_v]), they are first written into the caches in place at rows
-    cache_seqlens .. cache_seqlens + seqlen_new - 1; each sequence then attends to its first
-    cache_seqlens + seqlen_new keys (causal: bottom-right aligned to them, so new query i
-    sees the cache and new keys 0..i when seqlen_q == seqlen_new). Returns out (batch,
-    seqlen_q, nheads, headdim_v), and lse (batch, nheads, seqlen_q) if return_softmax_lse.
-    Paged caches, cache_batch_idx, cache_leftpad, rotary embedding and varlen q are not
-    implemented (a clear NotImplementedError); ``scheduler_metadata``, ``num_splits``,
-    ``pack_gqa`` and ``sm_margin`` are performance hints, accepted and ignored. A row of
-    new tokens past the cache's end is not written: the bounds of a tensor cache_seqlens are
-    checked on the host on the CPU or with ``triflash.set_check_inputs(True)``.
+    q: (batch, seqlen_q, nheads, headdim), or (total_q, nheads, headdim) with int32
+    ``cu_seqlens_q`` (batch + 1,) and ``max_seqlen_q``. k_cache, v_cache: (batch_cache,
+    seqlen_cache, nheads_kv, headdim[_v]), or with ``page_table`` (batch, pages per sequence,
+    int32) blocks (num_blocks, page_size, nheads_kv, headdim[_v]): sequence b's logical row
+    r is row r % page_size of block page_table[b, r // page_size]. ``cache_batch_idx``
+    (batch,): the cache batch of each sequence (not with a page table). ``cache_seqlens``: an
+    int or int32 (batch,) tensor, the tokens already in each sequence's cache (None: the
+    whole cache). With new k, v (batch, seqlen_new, nheads_kv, headdim[_v]) they are first
+    written into the caches in place at rows cache_seqlens .. cache_seqlens + seqlen_new - 1.
+    Each sequence then attends to its keys cache_leftpad .. cache_seqlens + seqlen_new - 1
+    (``cache_leftpad`` (batch,), default 0), causal bottom-right aligned to them. With
+    ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new keys are rotated at
+    positions ``rotary_seqlens`` (default cache_seqlens) + i before they are written, and q
+    at the same positions if causal or local, else every query at position cache_seqlens
+    (``rotary_interleaved``: GPT-J pairs, else GPT-NeoX halves). Returns out (batch, seqlen_q,
+    nheads, headdim_v) (varlen: (total_q, ...)), and lse (batch, nheads, seqlen_q) (varlen:
+    (nheads, total_q)) if return_softmax_lse.
+
+    Dense caches without cache_batch_idx / cache_leftpad run the Hopper forward on sm90 at
+    head dims 64/128/256; the other forms run the portable kernels. FA3's ``qv``, fp8
+    descales, ``cu_seqlens_k_new`` and ``attention_chunk`` raise NotImplementedError;
+    ``scheduler_metadata``, ``num_splits``, ``pack_gqa`` and ``sm_margin`` are performance
+    hints, accepted and ignored. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
+    page_table, cu_seqlens_q) are checked on the host on the CPU or with
+    ``triflash.set_check_inputs(True)``; otherwise the kernels clamp them (no fault) and new
+    tokens past a sequence's cache are not written.
     """
     import torch
-    V.reject_unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-                         cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
-                         page_table=(page_table, None), cu_seqlens_q=(cu_seqlens_q, None),
-                         cu_seqlens_k_new=(cu_seqlens_k_new, None), max_seqlen_q=(max_seqlen_q, None),
-                         rotary_seqlens=(rotary_seqlens, None), q_descale=(q_descale, None),
-                         k_descale=(k_descale, None), v_descale=(v_descale, None),
-                         attention_chunk=(attention_chunk, 0))
+    V.reject_unsupported(qv=(qv, None), cu_seqlens_k_new=(cu_seqlens_k_new, None),
+                         q_descale=(q_descale, None), k_descale=(k_descale, None),
+                         v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
     _check_flag("causal", causal)
-    starts, used = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens)
+    _check_flag("rotary_interleaved", rotary_interleaved)
+    varlen_q = cu_seqlens_q is not None
+    starts, used, capacity = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                             cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q)
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    rotary = V.check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch)
+    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = V.normalize_window(window_size, causal)
     with torch.no_grad():
+        seqused_q = None
+        if varlen_q:
+            q, tokens = _pad_varlen_q(q, cu_seqlens_q, max_seqlen_q)
+            seqused_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
+        if rotary:
+            offsets = rotary_seqlens if rotary_seqlens is not None else starts
+            q = apply_rotary(q, rotary_cos, rotary_sin, offsets, rotary_interleaved,
+                             same_position=left < 0 and right < 0)
+            k = apply_rotary(k, rotary_cos, rotary_sin, offsets, rotary_interleaved)
         if k is not None:
-            ops.append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, starts)
-        q, kc, vc = (V.last_dim_contiguous(x) for x in (q, k_cache, v_cache))
-        softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
-        left, right = V.normalize_window(window_size, causal)
-        out, lse = ops.attention(q, kc, vc, None, None, None, used,
-                                 *ops.pack_scalars(q.shape[1], kc.shape[1], softmax_scale, left,
-                                                   right, softcap, False))
+            ops.append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, starts,
+                          cache_batch_idx, page_table)
+        q = V.last_dim_contiguous(q)
+        ints, floats = ops.pack_scalars(q.shape[1], capacity, softmax_scale, left, right, softcap, False)
+        if varlen_q or cache_batch_idx is not None or cache_leftpad is not None or page_table is not None:
+            out, lse = ops.fwd_kvcache(q, k_cache, v_cache, seqused_q, used, cache_batch_idx,
+                                       cache_leftpad, page_table, ints, floats)
+        else:  # a plain dense cache: the dense kernels (the Hopper tier on sm90)
+            out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
+        if varlen_q:
+            out, lse = _unpad_varlen_q(out, lse, tokens)
     return (out, lse) if return_softmax_lse else out
+
+
+def _pad_varlen_q(q, cu_seqlens_q, max_seqlen_q):
+    """q (total_q, heads, dim) -> (batch, max_seqlen_q, heads, dim) zero-padded, and each
+    token's (batch, row) (row max_seqlen_q: a token no sequence covers). Device ops only."""
+    import torch
+    total, batch = q.shape[0], cu_seqlens_q.shape[0] - 1
+    t = torch.arange(total, device=q.device)
+    b = torch.searchsorted(cu_seqlens_q[1:].to(torch.long), t, right=True)
+    inside = b < batch
+    b = b.clamp(max=max(batch - 1, 0))
+    row = t - cu_seqlens_q.to(torch.long)[b]
+    row = torch.where(inside & (row >= 0) & (row < max_seqlen_q), row, max_seqlen_q)
+    padded = q.new_zeros((batch, max_seqlen_q + 1) + tuple(q.shape[1:]))
+    if total and batch:
+        padded[b, row] = q
+    return padded[:, :max_seqlen_q], (b, row, max_seqlen_q)
+
+
+def _unpad_varlen_q(out, lse, tokens):
+    """(batch, max_seqlen_q, ...) outputs back to FA3's varlen layouts: out (total_q, heads,
+    dim_v), lse (heads, total_q); tokens no sequence covers get 0 and -inf."""
+    import torch
+    b, row, max_q = tokens
+    covered = row < max_q
+    r = row.clamp(max=max(max_q - 1, 0))
+    if out.shape[0] == 0 or max_q == 0:
+        total = b.shape[0]
+        return (out.new_zeros((total,) + tuple(out.shape[2:])),
+                lse.new_full((lse.shape[1], total), float("-inf")))
+    o = torch.where(covered[:, None, None], out[b, r], 0.0).to(out.dtype)
+    l_ = torch.where(covered[:, None], lse.permute(0, 2, 1)[b, r], float("-inf"))
+    return o, l_.t().contiguous()

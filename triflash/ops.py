@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import dispatch
 from .kernels import kvcache
-from .kernels.portable import AttnParams, alloc_output
+from .kernels.portable import AttnParams, CacheAddressing, alloc_output
 
 
 # Scalar arguments travel as two lists: torch's custom-op autograd path re-reads the op schema
@@ -238,12 +238,31 @@ def attention_qkvpacked(qkv, ints, floats):
 # ---- KV cache (flash_attn_with_kvcache) --------------------------------------------------
 
 @torch.library.custom_op("triflash::append_kv", mutates_args={"k_cache", "v_cache"})
-def append_kv(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor) -> None:
-    """Write the new keys and values into the caches in place at rows ``starts[b]`` (one
-    launch): an op, so that torch.compile sees the mutation instead of tracing into Triton."""
-    kvcache.append_kv(k_new, v_new, k_cache, v_cache, starts)
+def append_kv(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor,
+              batch_idx: Optional[Tensor] = None, page_table: Optional[Tensor] = None) -> None:
+    """Write the new keys and values into the caches in place at each sequence's logical rows
+    ``starts[b]`` onwards (one launch; ``kvcache.append_kv``): an op, so that torch.compile
+    sees the mutation instead of tracing into Triton."""
+    kvcache.append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx, page_table)
 
 
 @append_kv.register_fake
-def _(k_new, v_new, k_cache, v_cache, starts):
+def _(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table=None):
     return None
+
+
+@torch.library.custom_op("triflash::fwd_kvcache", mutates_args=())
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqused_q: Optional[Tensor],
+                seqused_k: Optional[Tensor], batch_idx: Optional[Tensor], k_start: Optional[Tensor],
+                page_table: Optional[Tensor], ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of dense q over a KV cache addressed through ``cache_batch_idx``
+    (batch_idx), ``cache_leftpad`` (k_start) or a page table (``portable.CacheAddressing``);
+    ``seqused_q``: the query rows each sequence uses (a padded varlen q). Forward only."""
+    cache = CacheAddressing(batch_idx=batch_idx, start=k_start, page_table=page_table)
+    return dispatch.run_fwd_cache(q, k_cache, v_cache, seqused_q, seqused_k, cache, _params(ints, floats))
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, seqused_q, seqused_k, batch_idx, k_start, page_table, ints, floats):
+    out = q.new_empty(q.shape[:-1] + (v_cache.shape[-1],))
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)

@@ -96,9 +96,7 @@ def check_qkv(q, k, v, varlen: bool, names=("q", "k", "v")):
     _check_tensor(qn, q, ndim)
     _check_tensor(kn, k, ndim)
     _check_tensor(vn, v, ndim)
-    if not (q.dtype == k.dtype == v.dtype):
-        _fail("dtypes", (q.dtype, k.dtype, v.dtype), f"{qn}, {kn} and {vn} must share one dtype", TypeError)
-    check_device(q, k, v)
+    _check_dtypes_heads(q, k, v, names)
     if not varlen:
         if not (q.shape[0] == k.shape[0] == v.shape[0]):
             _fail("batch sizes", (q.shape[0], k.shape[0], v.shape[0]), f"{qn}, {kn} and {vn} must share the batch size")
@@ -106,6 +104,14 @@ def check_qkv(q, k, v, varlen: bool, names=("q", "k", "v")):
             _fail("seqlen_k", (k.shape[1], v.shape[1]), f"{kn} and {vn} must share seqlen_k")
     elif k.shape[0] != v.shape[0]:
         _fail("total_k", (k.shape[0], v.shape[0]), "k and v must share the token count")
+
+
+def _check_dtypes_heads(q, k, v, names):
+    """One dtype and device; head dims (multiples of 8 up to 256, k's = q's); GQA head counts."""
+    qn, kn, vn = names
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail("dtypes", (q.dtype, k.dtype, v.dtype), f"{qn}, {kn} and {vn} must share one dtype", TypeError)
+    check_device(q, k, v)
     _check_headdim(qn, q.shape[-1])
     _check_headdim(vn, v.shape[-1])
     if k.shape[-1] != q.shape[-1]:
@@ -150,12 +156,75 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
                 _fail(f"max_seqlen_{name[-1]}", mx, f"must be >= the longest sequence, {lens.max().item()}")
 
 
-def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens):
-    """``flash_attn_with_kvcache``'s tensors. Returns (starts, used): int32 (batch,) tensors,
-    where each sequence's new keys go and how many keys it attends to, or (None, None) for
-    the whole cache."""
-    check_qkv(q, k_cache, v_cache, varlen=False, names=("q", "k_cache", "v_cache"))
-    batch, seqlen_cache = k_cache.shape[0], k_cache.shape[1]
+def _check_index_vector(name, x, batch, device_of):
+    """An int32 (batch,) contiguous tensor on ``device_of``'s device."""
+    if not isinstance(x, torch.Tensor):
+        _fail(name, type(x).__name__, f"expected a contiguous int32 tensor of shape ({batch},)", TypeError)
+    if x.dtype != torch.int32 or tuple(x.shape) != (batch,) or not x.is_contiguous():
+        _fail(name, f"tensor{tuple(x.shape)} {x.dtype}", f"expected a contiguous int32 tensor of shape ({batch},)")
+    check_device(device_of, x)
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None,
+                  cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None):
+    """``flash_attn_with_kvcache``'s tensors. Returns (starts, used, capacity): int32 (batch,)
+    tensors, where each sequence's new keys go and how many cache rows it attends up to (None,
+    None: the whole cache), and the rows one sequence's cache holds (page_table: pages x
+    page size). Values of index tensors are read (a device sync) on the CPU, or on a GPU with
+    ``set_check_inputs(True)``; the kernels clamp them so that nothing faults."""
+    varlen_q = cu_seqlens_q is not None
+    _check_tensor("q", q, 3 if varlen_q else 4)
+    _check_tensor("k_cache", k_cache, 4)
+    _check_tensor("v_cache", v_cache, 4)
+    names = ("q", "k_cache", "v_cache")
+    _check_dtypes_heads(q, k_cache, v_cache, names)
+    if tuple(k_cache.shape[:2]) != tuple(v_cache.shape[:2]):
+        _fail("v_cache.shape", tuple(v_cache.shape), f"must share k_cache's first two dims {tuple(k_cache.shape[:2])}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:
+            _fail(f"{name}.stride(-1)", cache.stride(-1), "the cache is updated in place: its last dim must be contiguous")
+    host = (_check_inputs or q.device.type == "cpu") and not torch.compiler.is_compiling()
+    if varlen_q:
+        if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 \
+                or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or not cu_seqlens_q.is_contiguous():
+            _fail("cu_seqlens_q", getattr(cu_seqlens_q, "shape", cu_seqlens_q), "expected a contiguous int32 tensor of shape (batch + 1,)")
+        check_device(q, cu_seqlens_q)
+        if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+            _fail("max_seqlen_q", max_seqlen_q, "expected an int >= 0 (the longest query sequence) with cu_seqlens_q")
+        batch = cu_seqlens_q.shape[0] - 1
+        if host:
+            c = cu_seqlens_q.cpu()
+            lens = c[1:] - c[:-1]
+            if c[0].item() != 0 or (lens < 0).any() or c[-1].item() > q.shape[0]:
+                _fail("cu_seqlens_q", c.tolist(), f"expected 0 = c[0] <= c[1] <= ... <= c[-1] <= {q.shape[0]} (tokens in q)")
+            if batch > 0 and lens.max().item() > max_seqlen_q:
+                _fail("max_seqlen_q", max_seqlen_q, f"must be >= the longest sequence, {lens.max().item()}")
+    else:
+        batch = q.shape[0]
+    if page_table is not None:
+        if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2 \
+                or page_table.shape[0] != batch or page_table.stride(-1) != 1:
+            _fail("page_table", f"tensor{tuple(getattr(page_table, 'shape', ()))} {getattr(page_table, 'dtype', type(page_table).__name__)}",
+                  f"expected an int32 tensor (batch={batch}, pages per sequence) with a contiguous last dim")
+        check_device(q, page_table)
+        if cache_batch_idx is not None:
+            _fail("cache_batch_idx", "a tensor", "not with page_table (the page table already maps each sequence to its blocks)")
+        capacity = page_table.shape[1] * k_cache.shape[1]
+        if host and page_table.numel():
+            pt = page_table.cpu()
+            if pt.min().item() < 0 or pt.max().item() >= k_cache.shape[0]:
+                _fail("page_table", f"values in [{pt.min().item()}, {pt.max().item()}]",
+                      f"expected block indices in [0, {k_cache.shape[0]}) (k_cache.shape[0])")
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] != batch:
+            _fail("k_cache.shape[0]", k_cache.shape[0], f"must equal the batch size {batch} (or pass cache_batch_idx)")
+    if cache_batch_idx is not None:
+        _check_index_vector("cache_batch_idx", cache_batch_idx, batch, q)
+        if host and batch:
+            c = cache_batch_idx.cpu()
+            if c.min().item() < 0 or c.max().item() >= k_cache.shape[0]:
+                _fail("cache_batch_idx", c.tolist(), f"expected values in [0, {k_cache.shape[0]}) (k_cache.shape[0])")
     seqlen_new = 0
     if (k is None) != (v is None):
         _fail("k, v", ("a tensor" if k is not None else None, "a tensor" if v is not None else None),
@@ -169,32 +238,63 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens):
             if tuple(new.shape) != want or new.dtype != cache.dtype:
                 _fail(f"{name}.shape", f"{tuple(new.shape)} {new.dtype}",
                       f"expected {want} {cache.dtype} (batch, new tokens, {name}_cache's heads and dim)")
-            if cache.stride(-1) != 1:
-                _fail(f"{name}_cache.stride(-1)", cache.stride(-1),
-                      "the cache is updated in place: its last dim must be contiguous")
         check_device(q, k, v)
         if cache_seqlens is None:
             _fail("cache_seqlens", None, "required with new k/v: where each sequence's new tokens go")
     if cache_seqlens is None:
-        return None, None
+        if cache_leftpad is not None:
+            _fail("cache_leftpad", "a tensor", "needs cache_seqlens (the keys are cache_leftpad .. cache_seqlens - 1)")
+        if page_table is not None:
+            used = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+            return None, used, capacity
+        return None, None, capacity
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         _fail("cache_seqlens", type(cache_seqlens).__name__, "expected an int or an int32 tensor (batch,)", TypeError)
     if isinstance(cache_seqlens, int):
-        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
             _fail("cache_seqlens", cache_seqlens,
-                  f"expected 0 <= cache_seqlens <= {seqlen_cache - seqlen_new} (cache rows {seqlen_cache} "
+                  f"expected 0 <= cache_seqlens <= {capacity - seqlen_new} (cache rows {capacity} "
                   f"minus {seqlen_new} new tokens)")
         starts = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-        return starts, starts + seqlen_new
-    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,) \
-            or not cache_seqlens.is_contiguous():
-        _fail("cache_seqlens", f"tensor{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}",
-              f"expected a contiguous int32 tensor of shape ({batch},)")
-    check_device(q, cache_seqlens)
-    if (_check_inputs or q.device.type == "cpu") and not torch.compiler.is_compiling():
-        c = cache_seqlens.cpu()
-        if (c < 0).any() or (c > seqlen_cache - seqlen_new).any():
-            _fail("cache_seqlens", c.tolist(),
-                  f"expected values in [0, {seqlen_cache - seqlen_new}] (cache rows {seqlen_cache} "
-                  f"minus {seqlen_new} new tokens)")
-    return cache_seqlens, cache_seqlens + seqlen_new
+    else:
+        _check_index_vector("cache_seqlens", cache_seqlens, batch, q)
+        starts = cache_seqlens
+        if host:
+            c = cache_seqlens.cpu()
+            if (c < 0).any() or (c > capacity - seqlen_new).any():
+                _fail("cache_seqlens", c.tolist(),
+                      f"expected values in [0, {capacity - seqlen_new}] (cache rows {capacity} "
+                      f"minus {seqlen_new} new tokens)")
+    if cache_leftpad is not None:
+        _check_index_vector("cache_leftpad", cache_leftpad, batch, q)
+        if host:
+            lp, c = cache_leftpad.cpu(), starts.cpu()
+            if (lp < 0).any() or (lp > c).any():
+                _fail("cache_leftpad", lp.tolist(), f"expected 0 <= cache_leftpad <= cache_seqlens {c.tolist()}")
+    return starts, starts + seqlen_new, capacity
+
+
+def check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch):
+    """``flash_attn_with_kvcache``'s rotary tables: both or neither, (seqlen_ro, rotary_dim /
+    2) each, rotary_dim <= the head dim, new keys given (they are what gets rotated into the
+    cache). Returns True when rotary embedding applies."""
+    if rotary_cos is None and rotary_sin is None:
+        if rotary_seqlens is not None:
+            _fail("rotary_seqlens", "a tensor", "needs rotary_cos and rotary_sin")
+        return False
+    if rotary_cos is None or rotary_sin is None:
+        _fail("rotary_cos, rotary_sin", ("a tensor" if rotary_cos is not None else None,
+                                         "a tensor" if rotary_sin is not None else None), "pass both or neither")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            _fail(name, getattr(t, "shape", type(t).__name__), "expected a float tensor (seqlen_ro, rotary_dim / 2)")
+    if rotary_cos.shape != rotary_sin.shape:
+        _fail("rotary_sin.shape", tuple(rotary_sin.shape), f"must equal rotary_cos.shape {tuple(rotary_cos.shape)}")
+    if 2 * rotary_cos.shape[1] > q.shape[-1]:
+        _fail("rotary_cos.shape[1]", rotary_cos.shape[1], f"rotary_dim = 2 x that must be <= the head dim {q.shape[-1]}")
+    check_device(q, rotary_cos, rotary_sin)
+    if k is None:
+        _fail("rotary_cos", "a tensor", "rotary embedding needs new k and v (they are rotated into the cache)")
+    if rotary_seqlens is not None:
+        _check_index_vector("rotary_seqlens", rotary_seqlens, batch, q)
+    return True

@@ -20,21 +20,39 @@ from .common import launch_order, n_block_range, scores, seqlen_info, to_output,
 
 
 @triton.jit
+def _paged_rows(page_row, start_k, offs_n, len_k, page_size, num_blocks, stride_b, stride_n):
+    """Offsets of keys ``offs_n`` (counted from the sequence's first key ``start_k``) in a paged
+    cache: logical row r lives in block page_row[r // page_size], row r % page_size. Block
+    numbers are clamped to the cache, so a bad page table cannot make a load fault."""
+    logical = start_k + offs_n
+    blk = tl.load(page_row + logical // page_size, mask=offs_n < len_k, other=0)
+    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+    return blk * stride_b + (logical % page_size).to(tl.int64) * stride_n
+
+
+@triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k,
                window_left, window_right, qk_scale, softcap_log2,
+               page_row, start_k, page_size, num_blocks, stride_kb, stride_vb,
                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEADDIM
     dv_ok = offs_dv < HEADDIM_V
     for n_block in range(n_lo, n_hi):
         start_n = n_block * BLOCK_N
         offs_n = start_n + offs_n0
-        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :]
-        v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + offs_n0[:, None] * stride_vn + offs_dv[None, :]
+        if PAGED:
+            k_ptrs = k_base + _paged_rows(page_row, start_k, offs_n, len_k, page_size, num_blocks,
+                                          stride_kb, stride_kn)[:, None] + offs_d[None, :]
+            v_ptrs = v_base + _paged_rows(page_row, start_k, offs_n, len_k, page_size, num_blocks,
+                                          stride_vb, stride_vn)[:, None] + offs_dv[None, :]
+        else:
+            k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + offs_n0[:, None] * stride_vn + offs_dv[None, :]
         if MASK:
             k = tl.load(k_ptrs, mask=(offs_n[:, None] < len_k) & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < len_k) & dv_ok[None, :], other=0.0)
@@ -92,12 +110,18 @@ def flash_fwd_kernel(
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
     qk_scale, softcap_log2, window_left, window_right, section_heads,
+    KV_BATCH, K_START, PAGE_TABLE, stride_ptb, page_size, num_kv_blocks,
     HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False, HAS_K_START: tl.constexpr = False,
+    PAGED: tl.constexpr = False,
 ):
+    # KV-cache addressing (flash_attn_with_kvcache; dense batches only): KV_BATCH[b] the
+    # cache batch of sequence b (cache_batch_idx), K_START[b] its first key (cache_leftpad),
+    # PAGED: K and V are (num_kv_blocks, page_size, heads, dim) blocks found through
+    # PAGE_TABLE (batch, pages). Off, the pointers are never read.
     # Longest (under causal, last) query blocks first, a few heads at a time (launch_order).
     num_m = tl.cdiv(seqlen_q, BLOCK_M)  # seqlen_q: the longest sequence's length
     bh, rank = launch_order(tl.program_id(0), num_m, section_heads)
@@ -108,6 +132,13 @@ def flash_fwd_kernel(
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
         seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+    kv_batch = batch
+    if HAS_KV_BATCH:  # clamped: a bad index cannot make a load fault
+        kv_batch = tl.minimum(tl.maximum(tl.load(KV_BATCH + batch), 0), num_kv_blocks - 1)
+    if HAS_K_START:  # keys start_k .. start_k + len_k - 1 of the cache (left padding skipped)
+        skip = tl.minimum(tl.maximum(tl.load(K_START + batch), 0), len_k)
+        start_k += skip
+        len_k -= skip
     if m_block * BLOCK_M >= len_q:
         return
 
@@ -117,10 +148,15 @@ def flash_fwd_kernel(
     row_ok = offs_m < len_q
     q_base = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
               + start_q.to(tl.int64) * stride_qm)
-    k_base = (K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-              + start_k.to(tl.int64) * stride_kn)
-    v_base = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
-              + start_k.to(tl.int64) * stride_vn)
+    if PAGED:  # rows found per key block (_paged_rows)
+        k_base = K + head_kv.to(tl.int64) * stride_kh
+        v_base = V + head_kv.to(tl.int64) * stride_vh
+    else:
+        k_base = (K + kv_batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+                  + start_k.to(tl.int64) * stride_kn)
+        v_base = (V + kv_batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+                  + start_k.to(tl.int64) * stride_vn)
+    page_row = PAGE_TABLE + batch.to(tl.int64) * stride_ptb
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     if UPCAST:
@@ -135,18 +171,21 @@ def flash_fwd_kernel(
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
+                               page_row, start_k, page_size, num_kv_blocks, stride_kb, stride_vb,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
+                               page_row, start_k, page_size, num_kv_blocks, stride_kb, stride_vb,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
                                window_left, window_right, qk_scale, softcap_log2,
+                               page_row, start_k, page_size, num_kv_blocks, stride_kb, stride_vb,
                                HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
 
     # A row that saw no key: output 0, lse = -inf (never NaN).
     seen = l_i > 0.0

@@ -1,7 +1,9 @@
 """Append new keys and values to a KV cache in place (``flash_attn_with_kvcache``), one
-launch for both: row i of sequence b's new tokens goes to cache row ``starts[b] + i``.
-Rows that would land past the cache's end are not written (masked stores, no device-side
-fault); the caller checks the bounds where it can without a device sync."""
+launch for both: row i of sequence b's new tokens goes to the sequence's logical cache row
+``starts[b] + i``, which lives in cache batch ``batch_idx[b]`` (or b), or, paged, in block
+``page_table[b, row // page_size]`` at row ``row % page_size``. Rows that would land past
+the sequence's cache are not written and indices are clamped to the cache (masked stores,
+no device-side fault); the caller checks the values where it can without a device sync."""
 import triton
 import triton.language as tl
 
@@ -9,45 +11,69 @@ from .common import launch_order
 
 
 @triton.jit
-def _append_rows(NEW, CACHE, batch, head, rows, pos, ok_rows, stride_nb, stride_nn, stride_nh,
-                 stride_cb, stride_cn, stride_ch, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _append_rows(NEW, CACHE, batch, head, rows, cache_rows, ok_rows, stride_nb, stride_nn, stride_nh,
+                 stride_ch, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Copy rows ``rows`` of sequence ``batch``'s new tokens to the cache offsets
+    ``cache_rows`` (int64, head excluded)."""
     cols = tl.arange(0, BLOCK_D)
     ok = ok_rows[:, None] & (cols < DIM)[None, :]
     x = tl.load(NEW + batch.to(tl.int64) * stride_nb + head.to(tl.int64) * stride_nh
                 + rows.to(tl.int64)[:, None] * stride_nn + cols[None, :], mask=ok)
-    tl.store(CACHE + batch.to(tl.int64) * stride_cb + head.to(tl.int64) * stride_ch
-             + pos.to(tl.int64)[:, None] * stride_cn + cols[None, :], x, mask=ok)
+    tl.store(CACHE + head.to(tl.int64) * stride_ch + cache_rows[:, None] + cols[None, :], x, mask=ok)
 
 
 @triton.jit
-def append_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, STARTS, seqlen_new, seqlen_cache, nheads_kv,
+def _cache_rows(block, pos, stride_cb, stride_cn):
+    return block.to(tl.int64) * stride_cb + pos.to(tl.int64) * stride_cn
+
+
+@triton.jit
+def append_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, STARTS, KV_BATCH, PAGE_TABLE, stride_ptb,
+                     seqlen_new, capacity, page_size, num_blocks, nheads_kv,
                      stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
                      stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_KV_BATCH: tl.constexpr, PAGED: tl.constexpr):
     bh, n_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_new, BLOCK_N), 1)
     batch = bh // nheads_kv
     head = bh % nheads_kv
     rows = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    pos = tl.load(STARTS + batch) + rows
-    ok_rows = (rows < seqlen_new) & (pos >= 0) & (pos < seqlen_cache)
-    _append_rows(K_NEW, K_CACHE, batch, head, rows, pos, ok_rows, stride_knb, stride_knn, stride_knh,
-                 stride_kcb, stride_kcn, stride_kch, D, BLOCK_D)
-    _append_rows(V_NEW, V_CACHE, batch, head, rows, pos, ok_rows, stride_vnb, stride_vnn, stride_vnh,
-                 stride_vcb, stride_vcn, stride_vch, DV, BLOCK_DV)
+    pos = tl.load(STARTS + batch) + rows  # the sequence's logical cache row
+    ok_rows = (rows < seqlen_new) & (pos >= 0) & (pos < capacity)
+    if PAGED:
+        block = tl.load(PAGE_TABLE + batch.to(tl.int64) * stride_ptb + pos // page_size, mask=ok_rows, other=0)
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+        pos = pos % page_size
+    else:
+        block = batch
+        if HAS_KV_BATCH:
+            block = tl.minimum(tl.maximum(tl.load(KV_BATCH + batch), 0), num_blocks - 1)
+    _append_rows(K_NEW, K_CACHE, batch, head, rows, _cache_rows(block, pos, stride_kcb, stride_kcn), ok_rows,
+                 stride_knb, stride_knn, stride_knh, stride_kch, D, BLOCK_D)
+    _append_rows(V_NEW, V_CACHE, batch, head, rows, _cache_rows(block, pos, stride_vcb, stride_vcn), ok_rows,
+                 stride_vnb, stride_vnn, stride_vnh, stride_vch, DV, BLOCK_DV)
 
 
-def append_kv(k_new, v_new, k_cache, v_cache, starts):
+def append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table=None):
     """Write ``k_new`` / ``v_new`` (batch, seqlen_new, heads, dim) into ``k_cache`` /
-    ``v_cache`` (batch, seqlen_cache, heads, dim) at rows ``starts[b]`` (int32 (batch,))."""
+    ``v_cache`` at each sequence's logical rows ``starts[b]`` (int32 (batch,)) onwards: caches
+    (cache_batch, seqlen_cache, heads, dim) indexed by ``batch_idx`` (int32 (batch,), None:
+    b), or paged (num_blocks, page_size, heads, dim) through ``page_table`` (batch, pages)."""
     batch, seqlen_new, nheads_kv, d = k_new.shape
     dv = v_new.shape[-1]
     if k_new.numel() == 0:
         return
+    paged = page_table is not None
+    capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    dummy = starts
     block_n = 16
     grid = (triton.cdiv(seqlen_new, block_n) * batch * nheads_kv,)
     append_kv_kernel[grid](
-        k_new, v_new, k_cache, v_cache, starts, seqlen_new, k_cache.shape[1], nheads_kv,
+        k_new, v_new, k_cache, v_cache, starts, batch_idx if batch_idx is not None else dummy,
+        page_table if paged else dummy, page_table.stride(0) if paged else 0,
+        seqlen_new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], nheads_kv,
         *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         D=d, DV=dv, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_N=block_n, num_warps=4)
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_N=block_n,
+        HAS_KV_BATCH=batch_idx is not None, PAGED=paged, num_warps=4)

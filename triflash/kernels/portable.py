@@ -29,15 +29,16 @@ def alloc_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def alloc_fwd_outputs(q, v, varlen):
-    """(out, lse) of a forward, FA3's shapes. Varlen: tokens no sequence covers (cu_seqlens
-    gaps, padding, past seqused) read as empty rows (0, lse -inf), so they start that way."""
+def alloc_fwd_outputs(q, v, varlen, seqused_q=None):
+    """(out, lse) of a forward, FA3's shapes. Varlen, or a dense batch with ``seqused_q``:
+    rows no sequence covers (cu_seqlens gaps, padding, past seqused) read as empty rows (0,
+    lse -inf), so they start that way."""
     out_shape = q.shape[:-1] + (v.shape[-1],)
-    if varlen:
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    if varlen or seqused_q is not None:
         return (torch.zeros(out_shape, dtype=q.dtype, device=q.device),
-                torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device))
-    return (alloc_output(out_shape, q.dtype, q.device),
-            alloc_output((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device))
+                torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device))
+    return (alloc_output(out_shape, q.dtype, q.device), alloc_output(lse_shape, torch.float32, q.device))
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,38 @@ def _common_flags(q, v, p: AttnParams, upcast: bool):
     )
 
 
+@dataclass(frozen=True)
+class CacheAddressing:
+    """Where a KV cache keeps each sequence's keys (``flash_attn_with_kvcache``, dense q):
+    ``batch_idx[b]`` the cache batch of sequence b (None: b); ``start[b]`` its first key
+    (cache_leftpad; None: 0); ``page_table`` (batch, pages): the cache block of each page
+    (None: not paged; paged caches are (num_blocks, page_size, heads, dim)). Key rows are
+    counted in the sequence's logical order in every case."""
+    batch_idx: Optional[torch.Tensor] = None
+    start: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None
+
+    def kernel_args(self, k, dummy):
+        """The forward kernel's (KV_BATCH, K_START, PAGE_TABLE, stride_ptb, page_size,
+        num_kv_blocks) and its flags."""
+        pt = self.page_table
+        args = (self.batch_idx if self.batch_idx is not None else dummy,
+                self.start if self.start is not None else dummy,
+                pt if pt is not None else dummy, pt.stride(0) if pt is not None else 0,
+                k.shape[1] if pt is not None else 1, k.shape[0])
+        return args, dict(HAS_KV_BATCH=self.batch_idx is not None, HAS_K_START=self.start is not None,
+                          PAGED=pt is not None)
+
+
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams,
-        cfg: FwdConfig, upcast: bool):
-    """Returns (out, lse) with FlashAttention-3's shapes."""
+        cfg: FwdConfig, upcast: bool, cache: Optional[CacheAddressing] = None):
+    """Returns (out, lse) with FlashAttention-3's shapes. ``cache``: a KV cache's addressing
+    (dense q, then ``p.max_seqlen_k`` is one sequence's cache capacity)."""
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
+    cache_args, cache_flags = (cache or _NO_CACHE).kernel_args(k, q)
     varlen = s["varlen"]
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    out, lse = alloc_fwd_outputs(q, v, varlen)
+    out, lse = alloc_fwd_outputs(q, v, varlen, seqused_q)
     if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     qk_scale, softcap_log2 = p.score_constants()
@@ -118,10 +144,14 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
         *s["ptrs"], nheads, nheads_kv, *s["sizes"],
         qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p),
+        *cache_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cache_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
+
+
+_NO_CACHE = CacheAddressing()
 
 
 def launch_dq(q, k, v, dout, lse, delta, dq, s, p: AttnParams, cfg: BwdConfig, flags):

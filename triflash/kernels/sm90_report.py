@@ -110,6 +110,16 @@ SPILL_RULES: Dict[tuple, tuple] = {
     ("bwd_dkdv[dv]", 256): (1280, f"32x128 dV pass, 3 stages: {_MEASURED}; {_PORTABLE}"),
     ("bwd_dq", 256): (64, f"128x32 dQ tile: {_MEASURED}"),
 }
+# The paged KV-cache forward (flash_attn_with_kvcache with a page table): each key block's
+# rows come from a page-table load, two int64 row-offset vectors on top of the forward's tile
+# (measured when it was added, session 7: bf16, left padding and seqused_k; its speed is not measured:
+# decoding has no split-KV yet).
+_PAGED = "page-table row offsets on top of the forward's tile; speed not measured (decoding)"
+SPILL_RULES.update({
+    ("fwd+paged", 64): (256, _PAGED), ("fwd+paged", 72): (5120, f"{_PAGED}; {_MASKED_D}"),
+    ("fwd+paged", 96): (64, _PAGED), ("fwd+paged", 128): (128, _PAGED),
+    ("fwd+paged", 256): (192, _PAGED),
+})
 
 
 def spill_budget(job) -> tuple:
@@ -135,6 +145,7 @@ class Features:
     varlen: bool = False
     seqused: bool = False      # seqused_q and seqused_k (varlen only)
     deterministic: bool = False
+    kvcache: bool = False      # a paged KV cache with left padding (forward only, dense q)
 
     def window_left_right(self):
         left, right = self.window
@@ -150,6 +161,7 @@ FEATURES = {
     "softcap": Features(softcap=30.0),
     "varlen": Features(varlen=True),
     "all": Features(causal=True, window=(256, -1), softcap=30.0, varlen=True, seqused=True),
+    "kvcache": Features(causal=True, kvcache=True),
 }
 
 _SHORT = {"flash_fwd_kernel": "fwd", "bwd_preprocess_kernel": "bwd_pre",
@@ -193,6 +205,8 @@ def _variant(name: str, constexprs: dict) -> str:
         label += "[dk]" if do_dk else "[dv]"
     if constexprs.get("ATOMIC_DQ"):
         label += "+atomic_dq"
+    if constexprs.get("PAGED"):
+        label += "+paged"
     return label
 
 
@@ -253,7 +267,16 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     meta = dict(device="meta", dtype=dt)
     f32 = dict(device="meta", dtype=torch.float32)
-    if f.varlen:
+    cache = None
+    if f.kvcache:  # flash_attn_with_kvcache's paged form: 64-row pages, left padding, seqused_k
+        b, s, page = _BATCH, _SEQLEN, 64
+        q = torch.empty(b, s, _NHEADS, d, **meta)
+        k, v = torch.empty(b * s // page, page, _NHEADS_KV, d, **meta), torch.empty(b * s // page, page, _NHEADS_KV, dv, **meta)
+        index = dict(device="meta", dtype=torch.int32)
+        cache = portable.CacheAddressing(start=torch.empty(b, **index), page_table=torch.empty(b, s // page, **index))
+        cu, used = None, torch.empty(b, **index)
+        max_q = max_k = _SEQLEN
+    elif f.varlen:
         t = _VARLEN_TOTAL
         q, k = torch.empty(t, _NHEADS, d, **meta), torch.empty(t, _NHEADS_KV, d, **meta)
         v = torch.empty(t, _NHEADS_KV, dv, **meta)
@@ -284,7 +307,9 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
     with _patched(dispatch, "target_of", lambda device: "sm90"), \
             _patched(configs, table.__name__, pick), _recording() as log, \
             dispatch.force_backend("portable"):
-        if direction == "fwd":
+        if cache is not None:
+            dispatch.run_fwd_cache(q, k, v, None, used, cache, p)
+        elif direction == "fwd":
             dispatch.run_fwd(q, k, v, cu, cu, used, used, p)
         else:
             dispatch.run_bwd(torch.empty_like(out), q, k, v, out, lse, cu, cu, used, used, p,
@@ -337,6 +362,8 @@ def all_dispatch_configs(headdims=HEADDIMS, dtypes=DTYPES, features=tuple(FEATUR
             for name in features:
                 f = FEATURES[name]
                 calls = [("fwd", f), ("bwd", f), ("bwd", dataclasses.replace(f, deterministic=True))]
+                if f.kvcache:  # forward only
+                    calls = calls[:1]
                 for direction, feats in calls:
                     prints = {}
                     for job in _jobs_of_call(direction, None, d, d, dtype, name, feats, prints):
