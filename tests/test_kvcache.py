@@ -88,12 +88,8 @@ def test_kvcache_bad_input():
     with pytest.raises(ValueError, match="cache_batch_idx"):
         triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(2, 1, **i32),
                                          cache_batch_idx=torch.zeros(2, **i32))
-    with pytest.raises(ValueError, match="cache_batch_idx"):
-        triflash.flash_attn_with_kvcache(q, kc, vc, cache_batch_idx=torch.tensor([0, 2], **i32))
     with pytest.raises(ValueError, match=r"k_cache.shape\[0\]"):
         triflash.flash_attn_with_kvcache(q, kc[:1], vc[:1])
-    with pytest.raises(ValueError, match="cache_leftpad"):
-        triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.tensor([0, 3], **i32))
     with pytest.raises(ValueError, match="rotary_cos, rotary_sin"):
         triflash.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=1, rotary_cos=torch.ones(10, 8))
     with pytest.raises(ValueError, match=r"rotary_cos.shape\[1\]"):
@@ -117,6 +113,12 @@ def test_kvcache_bad_input():
         with pytest.raises(ValueError, match=r"cache_seqlens=\[3, 10\]"):
             triflash.flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn,
                                              cache_seqlens=torch.tensor([3, 10], dtype=torch.int32, device=DEVICE))
+        with pytest.raises(ValueError, match="cache_batch_idx"):
+            triflash.flash_attn_with_kvcache(q, kc, vc, cache_batch_idx=torch.tensor([0, 2], **i32))
+        with pytest.raises(ValueError, match="cache_leftpad"):
+            triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.tensor([0, 3], **i32))
+        with pytest.raises(ValueError, match="page_table"):
+            triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.tensor([[0], [2]], **i32))
     finally:
         triflash.set_check_inputs(False)
     with pytest.raises(ValueError, match="cache_seqlens"):
