@@ -259,3 +259,15 @@ def test_rotary_matches_the_reference_form():
             want = _rotate_ref(x, cos, sin, offsets, interleaved, same_position=same)
             assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=0)
             assert torch.equal(got[..., 32:], x[..., 32:])
+
+
+def test_scheduler_metadata_passes_through():
+    """FA3's get_scheduler_metadata exists (serving engines call it) and its result is
+    accepted by flash_attn_with_kvcache."""
+    q = _rand(2, 1, 2, 32, dtype=torch.float16)
+    kc, vc = _rand(2, 10, 2, 32, dtype=torch.float16), _rand(2, 10, 2, 32, dtype=torch.float16)
+    seqlens = torch.tensor([3, 10], dtype=torch.int32, device=DEVICE)
+    md = triflash.get_scheduler_metadata(2, 1, 10, 2, 2, 32, seqlens, qkv_dtype=torch.float16)
+    out = triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, scheduler_metadata=md)
+    ref = triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    assert torch.equal(out, ref)

@@ -224,3 +224,15 @@ def _unpad_varlen_q(out, lse, tokens):
     o = torch.where(covered[:, None, None], out[b, r], 0.0).to(out.dtype)
     l_ = torch.where(covered[:, None], lse.permute(0, 2, 1)[b, r], float("-inf"))
     return o, l_.t().contiguous()
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
+                           headdim, cache_seqlens, qkv_dtype=None, headdim_v=None,
+                           cu_seqlens_q=None, cu_seqlens_k_new=None, cache_leftpad=None,
+                           page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1),
+                           attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None,
+                           sm_margin=0):
+    """FA3's precomputed decoding schedule, for drop-in compatibility: triflash schedules
+    each launch itself, so this returns None, which ``flash_attn_with_kvcache`` accepts as
+    ``scheduler_metadata`` (callers such as serving engines pass the result through)."""
+    return None
