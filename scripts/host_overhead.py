@@ -82,7 +82,9 @@ def breakdown():
         "fwd hopper.fwd": lambda: H.fwd(q, k, v, out, lse, params, cfg),
         "fwd kernel_args": lambda: H.kernel_args(q, k, v, out, lse, params, cfg),
         "fwd jit launch": lambda: H.hopper_fwd_kernel[grid](*kargs, num_warps=4),
-        "fwd compiled launch": lambda: compiled[grid](*kargs),
+        # the CompiledKernel's own launcher (no argument binding / specialization); it wants
+        # a 3-tuple grid (at bb86392 a 1-tuple made this row an IndexError)
+        "fwd compiled launch": lambda: compiled[(grid[0], 1, 1)](*kargs),
     }
     rows = {}
     for name, fn in layers.items():
