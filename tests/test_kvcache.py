@@ -271,3 +271,33 @@ def test_scheduler_metadata_passes_through():
     out = triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, scheduler_metadata=md)
     ref = triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_flash_attn_combine(num_splits, dtype):
+    """FA3's combine of split attention against the reference formula, on non-contiguous
+    inputs, with whole rows whose splits all saw nothing (out 0, lse -inf) and half the
+    splits empty for the first sequence."""
+    torch.manual_seed(num_splits)
+    b, s, h, d = 3, 7, 4, 40
+    out_p = torch.randn(num_splits * 2, b, h, s, d, device=DEVICE).transpose(2, 3)[:num_splits]
+    lse_p = torch.randn(num_splits, b, h * 2, s, device=DEVICE).transpose(-1, -2)[:, :, :, :h]
+    lse_p[num_splits // 2:, :1] = float("-inf")
+    lse_p[:, 2, 3] = float("-inf")
+    out, lse = triflash.flash_attn_combine(out_p, lse_p, out_dtype=dtype)
+    lse_ref = torch.logsumexp(lse_p, dim=0)
+    w = torch.exp(lse_p - lse_ref)
+    w = torch.where(w.isnan() | w.isinf(), 0.0, w)
+    out_ref = (w.unsqueeze(-1) * out_p).sum(0)
+    assert out.dtype == dtype and out.shape == (b, s, h, d) and lse.shape == (b, s, h)
+    assert torch.allclose(lse, lse_ref, atol=1e-5, rtol=1e-5)
+    assert (out.float() - out_ref).abs().max() <= 2 * (out_ref.to(dtype).float() - out_ref).abs().max() + 1e-5
+    assert torch.isneginf(lse[2, 3]).all() and (out[2, 3] == 0).all()
+    dest = torch.empty(b, s, h, d, device=DEVICE, dtype=dtype)
+    assert triflash.flash_attn_combine(out_p, lse_p, out=dest, return_lse=False) is dest
+    assert torch.equal(dest, out)
+    with pytest.raises(TypeError, match="out_partial"):
+        triflash.flash_attn_combine(out_p.half(), lse_p)
+    with pytest.raises(ValueError, match="lse_partial.shape"):
+        triflash.flash_attn_combine(out_p, lse_p[..., :2])

@@ -6,9 +6,10 @@ dispatch.py (which kernel serves which case) -> kernels/ (portable Triton tier).
 """
 from .dispatch import force_backend
 from .interface import (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                        flash_attn_with_kvcache, get_scheduler_metadata)
+                        flash_attn_combine, flash_attn_with_kvcache,
+                        get_scheduler_metadata)
 from .validation import set_check_inputs
 
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
-           "flash_attn_with_kvcache", "get_scheduler_metadata", "force_backend", "set_check_inputs"]
+           "flash_attn_with_kvcache", "flash_attn_combine", "get_scheduler_metadata", "force_backend", "set_check_inputs"]

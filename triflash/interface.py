@@ -236,3 +236,36 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     each launch itself, so this returns None, which ``flash_attn_with_kvcache`` accepts as
     ``scheduler_metadata`` (callers such as serving engines pass the result through)."""
     return None
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):
+    """Merge attention computed over disjoint key splits (FA3's ``flash_attn_combine``).
+
+    out_partial: (num_splits, ..., nheads, headdim) fp32, e.g. (num_splits, batch, seqlen,
+    nheads, headdim); lse_partial: out_partial's shape without headdim, each split's
+    natural-log log-sum-exp. Returns (out, lse): out = sum_i exp(lse_i - lse) out_i in
+    ``out_dtype`` (default out_partial's), written into ``out`` when given; lse =
+    logsumexp_i lse_i (fp32, -inf where every split saw nothing; out 0 there).
+    ``return_lse=False`` (FA4's option) returns out alone."""
+    import torch
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            V._fail(name, getattr(t, "dtype", type(t).__name__), "expected a float32 tensor", TypeError)
+    if out_partial.dim() < 3 or tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
+        V._fail("lse_partial.shape", tuple(lse_partial.shape),
+                f"expected out_partial's shape without its last dim, {tuple(out_partial.shape[:-1])}")
+    V.check_device(out_partial, lse_partial, out)
+    dtype = out_dtype if out_dtype is not None else (out.dtype if out is not None else out_partial.dtype)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        V._fail("out_dtype", dtype, "expected torch.float32, float16 or bfloat16")
+    lse = torch.logsumexp(lse_partial, dim=0)
+    scale = torch.exp(lse_partial - lse)  # NaN where every split is -inf
+    scale = torch.where(torch.isfinite(scale), scale, 0.0)
+    merged = torch.einsum("s...,s...d->...d", scale, out_partial)
+    if out is None:
+        out = merged.to(dtype)
+    else:
+        if tuple(out.shape) != tuple(merged.shape):
+            V._fail("out.shape", tuple(out.shape), f"expected {tuple(merged.shape)}")
+        out.copy_(merged)
+    return (out, lse) if return_lse else out
