@@ -181,7 +181,10 @@ def test_kvcache_paged_rotary_compiles_fullgraph():
                           (k_new, v_new, k_blocks.clone(), v_blocks.clone(), seqlens, None, table))
     qd = torch.randn(2, 3, 4, 32, generator=g).to(DEVICE, torch.float16)
     torch.library.opcheck(torch.ops.triflash.fwd_kvcache.default,
-                          (qd, k_blocks, v_blocks, torch.tensor([3, 2], **i32), seqlens + 1, None, leftpad,
+                          (qd, k_blocks, v_blocks, None, seqlens + 1, None, leftpad,
+                           table, [3, 12, -1, 0, 0], [32 ** -0.5, 0.0]))
+    torch.library.opcheck(torch.ops.triflash.fwd_kvcache.default,
+                          (q, k_blocks, v_blocks, cu, seqlens + 1, None, leftpad,
                            table, [3, 12, -1, 0, 0], [32 ** -0.5, 0.0]))
 
     def step(q, k_cache, v_cache, k_new, v_new):

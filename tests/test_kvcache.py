@@ -248,17 +248,21 @@ def test_kvcache_forms(scenario, dtype):
 def test_rotary_matches_the_reference_form():
     """triflash.rotary (pair formulas) against the rotate_half form, both layouts, positions
     past the tables left unrotated."""
-    from triflash.rotary import apply_rotary
+    from triflash.rotary import apply_rotary, token_positions
     torch.manual_seed(0)
     x = torch.randn(2, 5, 3, 64, device=DEVICE, dtype=torch.bfloat16)
     cos, sin = torch.randn(6, 16, device=DEVICE), torch.randn(6, 16, device=DEVICE)
     offsets = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=DEVICE)
     for interleaved in (False, True):
         for same in (False, True):
-            got = apply_rotary(x, cos, sin, offsets, interleaved, same_position=same)
+            got = apply_rotary(x, cos, sin, token_positions(offsets, 5, same), interleaved)
             want = _rotate_ref(x, cos, sin, offsets, interleaved, same_position=same)
             assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=0)
             assert torch.equal(got[..., 32:], x[..., 32:])
+            # packed tokens take their sequence's positions
+            packed = apply_rotary(x.flatten(0, 1), cos, sin, token_positions(offsets, 5, same, cu, 10), interleaved)
+            assert torch.equal(packed, got.flatten(0, 1))
 
 
 def test_scheduler_metadata_passes_through():

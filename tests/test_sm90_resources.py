@@ -34,7 +34,7 @@ pytestmark = pytest.mark.sm90
 def _jobs():
     if os.environ.get("TRIFLASH_SM90_FULL") == "1":
         return R.all_dispatch_configs()
-    jobs = R.all_dispatch_configs(dtypes=("bf16",), features=("plain", "causal", "all", "kvcache"))
+    jobs = R.all_dispatch_configs(dtypes=("bf16",), features=("plain", "causal", "all", "kvcache", "kvcache-varlen"))
     jobs += R.all_dispatch_configs(headdims=(64, 128, 256), dtypes=("fp16",), features=("plain",))
     return jobs
 

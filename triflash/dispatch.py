@@ -126,7 +126,7 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
         why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
             cfg = configs.SM90_HOPPER_FWD[q.shape[-1]]
-            out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None, seqused_q)
+            out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None)
             if q.numel() == 0:
                 return out, lse
             return hopper_fwd.fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
@@ -140,17 +140,17 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
                         cfg, upcast=target == "interpret")
 
 
-def run_fwd_cache(q, k_cache, v_cache, seqused_q, seqused_k, cache, params):
+def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params):
     """The forward over a KV cache addressed through ``cache`` (``portable.CacheAddressing``:
-    cache_batch_idx, cache_leftpad, a page table) or with a padded varlen q (seqused_q): the
-    portable kernels on every target (the Hopper forward reads K/V in TMA boxes of contiguous
-    rows of one batch)."""
+    cache_batch_idx, cache_leftpad, a page table) or under packed queries (cu_seqlens_q):
+    the portable kernels on every target (the Hopper forward reads K/V in TMA boxes of
+    contiguous rows of one batch)."""
     target = target_of(q.device)
     if backend() == "hopper":
         raise NotImplementedError("triflash: the Hopper forward does not serve a KV cache with "
                                   "cache_batch_idx, cache_leftpad, a page table or varlen q")
     cfg = configs.fwd_config(target, q.shape[-1], v_cache.shape[-1])
-    return portable.fwd(q, k_cache, v_cache, None, None, seqused_q, seqused_k, params, cfg,
+    return portable.fwd(q, k_cache, v_cache, cu_seqlens_q, None, None, seqused_k, params, cfg,
                         upcast=target == "interpret", cache=cache)
 
 

@@ -15,7 +15,7 @@ Semantics shared by every function:
 """
 from . import ops
 from . import validation as V
-from .rotary import apply_rotary
+from .rotary import apply_rotary, token_positions
 
 
 def _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk):
@@ -169,61 +169,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
     with torch.no_grad():
-        seqused_q = None
-        if varlen_q:
-            q, tokens = _pad_varlen_q(q, cu_seqlens_q, max_seqlen_q)
-            seqused_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
         if rotary:
             offsets = rotary_seqlens if rotary_seqlens is not None else starts
-            q = apply_rotary(q, rotary_cos, rotary_sin, offsets, rotary_interleaved,
-                             same_position=left < 0 and right < 0)
-            k = apply_rotary(k, rotary_cos, rotary_sin, offsets, rotary_interleaved)
+            same = left < 0 and right < 0
+            q = apply_rotary(q, rotary_cos, rotary_sin,
+                             token_positions(offsets, q.shape[-3], same, cu_seqlens_q, q.shape[0]),
+                             rotary_interleaved)
+            k = apply_rotary(k, rotary_cos, rotary_sin, token_positions(offsets, k.shape[1]),
+                             rotary_interleaved)
         if k is not None:
             ops.append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, starts,
                           cache_batch_idx, page_table)
         q = V.last_dim_contiguous(q)
-        ints, floats = ops.pack_scalars(q.shape[1], capacity, softmax_scale, left, right, softcap, False)
+        max_q = max_seqlen_q if varlen_q else q.shape[1]
+        ints, floats = ops.pack_scalars(max_q, capacity, softmax_scale, left, right, softcap, False)
         if varlen_q or cache_batch_idx is not None or cache_leftpad is not None or page_table is not None:
-            out, lse = ops.fwd_kvcache(q, k_cache, v_cache, seqused_q, used, cache_batch_idx,
+            out, lse = ops.fwd_kvcache(q, k_cache, v_cache, cu_seqlens_q, used, cache_batch_idx,
                                        cache_leftpad, page_table, ints, floats)
         else:  # a plain dense cache: the dense kernels (the Hopper tier on sm90)
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
-        if varlen_q:
-            out, lse = _unpad_varlen_q(out, lse, tokens)
     return (out, lse) if return_softmax_lse else out
-
-
-def _pad_varlen_q(q, cu_seqlens_q, max_seqlen_q):
-    """q (total_q, heads, dim) -> (batch, max_seqlen_q, heads, dim) zero-padded, and each
-    token's (batch, row) (row max_seqlen_q: a token no sequence covers). Device ops only."""
-    import torch
-    total, batch = q.shape[0], cu_seqlens_q.shape[0] - 1
-    t = torch.arange(total, device=q.device)
-    b = torch.searchsorted(cu_seqlens_q[1:].to(torch.long), t, right=True)
-    inside = b < batch
-    b = b.clamp(max=max(batch - 1, 0))
-    row = t - cu_seqlens_q.to(torch.long)[b]
-    row = torch.where(inside & (row >= 0) & (row < max_seqlen_q), row, max_seqlen_q)
-    padded = q.new_zeros((batch, max_seqlen_q + 1) + tuple(q.shape[1:]))
-    if total and batch:
-        padded[b, row] = q
-    return padded[:, :max_seqlen_q], (b, row, max_seqlen_q)
-
-
-def _unpad_varlen_q(out, lse, tokens):
-    """(batch, max_seqlen_q, ...) outputs back to FA3's varlen layouts: out (total_q, heads,
-    dim_v), lse (heads, total_q); tokens no sequence covers get 0 and -inf."""
-    import torch
-    b, row, max_q = tokens
-    covered = row < max_q
-    r = row.clamp(max=max(max_q - 1, 0))
-    if out.shape[0] == 0 or max_q == 0:
-        total = b.shape[0]
-        return (out.new_zeros((total,) + tuple(out.shape[2:])),
-                lse.new_full((lse.shape[1], total), float("-inf")))
-    o = torch.where(covered[:, None, None], out[b, r], 0.0).to(out.dtype)
-    l_ = torch.where(covered[:, None], lse.permute(0, 2, 1)[b, r], float("-inf"))
-    return o, l_.t().contiguous()
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,

@@ -252,17 +252,19 @@ def _(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table=None):
 
 
 @torch.library.custom_op("triflash::fwd_kvcache", mutates_args=())
-def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqused_q: Optional[Tensor],
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Optional[Tensor],
                 seqused_k: Optional[Tensor], batch_idx: Optional[Tensor], k_start: Optional[Tensor],
                 page_table: Optional[Tensor], ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of dense q over a KV cache addressed through ``cache_batch_idx``
-    (batch_idx), ``cache_leftpad`` (k_start) or a page table (``portable.CacheAddressing``);
-    ``seqused_q``: the query rows each sequence uses (a padded varlen q). Forward only."""
+    """(out, lse) of q, dense or packed (``cu_seqlens_q``, ints[0] the longest sequence), over
+    a KV cache addressed through ``cache_batch_idx`` (batch_idx), ``cache_leftpad``
+    (k_start) or a page table (``portable.CacheAddressing``). Forward only."""
     cache = CacheAddressing(batch_idx=batch_idx, start=k_start, page_table=page_table)
-    return dispatch.run_fwd_cache(q, k_cache, v_cache, seqused_q, seqused_k, cache, _params(ints, floats))
+    return dispatch.run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, _params(ints, floats))
 
 
 @fwd_kvcache.register_fake
-def _(q, k_cache, v_cache, seqused_q, seqused_k, batch_idx, k_start, page_table, ints, floats):
+def _(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start, page_table, ints, floats):
     out = q.new_empty(q.shape[:-1] + (v_cache.shape[-1],))
+    if cu_seqlens_q is not None:
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)

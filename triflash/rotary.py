@@ -1,6 +1,6 @@
 """Rotary position embedding for ``flash_attn_with_kvcache`` (FlashAttention's semantics), in
 torch: the first ``rotary_dim = 2 * cos.shape[1]`` channels of each head are rotated, the
-rest pass through; token i of sequence b sits at position ``offsets[b] + i``.
+rest pass through; each token is rotated at its own position.
 
 * ``interleaved=False`` (GPT-NeoX): channel pairs (j, j + rotary_dim / 2);
 * ``interleaved=True`` (GPT-J): channel pairs (2j, 2j + 1).
@@ -12,19 +12,16 @@ tensors without a host sync, and under torch.compile.
 import torch
 
 
-def apply_rotary(x, cos, sin, offsets, interleaved: bool, same_position: bool = False):
-    """x (batch, seqlen, heads, dim) rotated at positions offsets[b] + i (int32/64 (batch,));
-    ``same_position``: every token of sequence b at offsets[b] (FlashAttention's rotation of
-    q when attention is neither causal nor local)."""
-    batch, seqlen = x.shape[0], x.shape[1]
+def apply_rotary(x, cos, sin, positions, interleaved: bool):
+    """x (..., heads, dim) rotated at ``positions`` (integers shaped ``x.shape[:-2]``)."""
     rot = 2 * cos.shape[-1]
-    steps = torch.zeros(seqlen, dtype=torch.long, device=x.device) if same_position else \
-        torch.arange(seqlen, device=x.device)
-    pos = offsets.to(torch.long)[:, None] + steps[None, :]                    # (batch, seqlen)
+    if x.numel() == 0 or rot == 0 or cos.shape[0] == 0:
+        return x.clone()
+    pos = positions.to(torch.long)
     inside = (pos >= 0) & (pos < cos.shape[0])
-    idx = pos.clamp(0, max(cos.shape[0] - 1, 0))
-    c = torch.where(inside[..., None], cos.float()[idx], 1.0)[:, :, None, :]  # (b, s, 1, rot/2)
-    s = torch.where(inside[..., None], sin.float()[idx], 0.0)[:, :, None, :]
+    idx = pos.clamp(0, cos.shape[0] - 1)
+    c = torch.where(inside[..., None], cos.float()[idx], 1.0).unsqueeze(-2)  # (..., 1, rot/2)
+    s = torch.where(inside[..., None], sin.float()[idx], 0.0).unsqueeze(-2)
     xr = x[..., :rot].float()
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
@@ -32,6 +29,19 @@ def apply_rotary(x, cos, sin, offsets, interleaved: bool, same_position: bool = 
     else:
         x1, x2 = xr[..., :rot // 2], xr[..., rot // 2:]
         out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    if batch * seqlen == 0:
-        return x.clone()
     return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+def token_positions(offsets, seqlen, same_position=False, cu_seqlens=None, total=None):
+    """Each token's position: ``offsets[b] + i`` for token i of sequence b (``same_position``:
+    ``offsets[b]`` for every token, FlashAttention's rotation of q when attention is neither
+    causal nor local). Dense: (batch, seqlen); packed (``cu_seqlens``, ``total`` tokens):
+    (total,)."""
+    offsets = offsets.to(torch.long)
+    if cu_seqlens is None:
+        steps = torch.arange(seqlen, device=offsets.device)
+        return offsets[:, None] + (0 if same_position else steps[None, :])
+    t = torch.arange(total, device=offsets.device)
+    starts = cu_seqlens.to(torch.long)
+    b = torch.searchsorted(starts[1:], t, right=True).clamp(max=max(offsets.shape[0] - 1, 0))
+    return offsets[b] + (0 if same_position else t - starts[b])

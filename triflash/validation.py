@@ -124,13 +124,8 @@ def _check_dtypes_heads(q, k, v, names):
 
 
 def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k):
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            _fail(name, type(cu).__name__, "expected an int32 tensor of shape (batch + 1,)", TypeError)
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
-            _fail(name, f"tensor{tuple(cu.shape)} {cu.dtype}", "expected an int32 tensor of shape (batch + 1,)")
-        if not cu.is_contiguous():
-            _fail(name, "non-contiguous", "expected a contiguous tensor")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         _fail("cu_seqlens_k.shape[0]", cu_seqlens_k.shape[0], f"must equal cu_seqlens_q.shape[0]={cu_seqlens_q.shape[0]}")
     batch = cu_seqlens_q.shape[0] - 1
@@ -141,19 +136,42 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
                 or not used.is_contiguous():
             _fail(name, used if not isinstance(used, torch.Tensor) else f"tensor{tuple(used.shape)} {used.dtype}",
                   f"expected a contiguous int32 tensor of shape ({batch},)")
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            _fail(name, m, "expected an int >= 0 (the longest sequence in the batch)")
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     check_device(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    if (_check_inputs or q.device.type == "cpu") and not torch.compiler.is_compiling():
-        for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-                                    ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
-            c = cu.cpu()
-            lens = c[1:] - c[:-1]
-            if c[0].item() != 0 or (lens < 0).any() or c[-1].item() > total:
-                _fail(name, c.tolist(), f"expected 0 = c[0] <= c[1] <= ... <= c[-1] <= {total} (tokens in the tensor)")
-            if batch > 0 and lens.max().item() > mx:
-                _fail(f"max_seqlen_{name[-1]}", mx, f"must be >= the longest sequence, {lens.max().item()}")
+    if _host_checks(q):
+        _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+
+
+def _check_cu_seqlens(name, cu):
+    if not isinstance(cu, torch.Tensor):
+        _fail(name, type(cu).__name__, "expected an int32 tensor of shape (batch + 1,)", TypeError)
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+        _fail(name, f"tensor{tuple(cu.shape)} {cu.dtype}", "expected an int32 tensor of shape (batch + 1,)")
+    if not cu.is_contiguous():
+        _fail(name, "non-contiguous", "expected a contiguous tensor")
+
+
+def _check_max_seqlen(name, m):
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        _fail(name, m, "expected an int >= 0 (the longest sequence in the batch)")
+
+
+def _host_checks(q) -> bool:
+    """Whether the data-dependent checks run: always on the CPU, on a GPU under
+    ``set_check_inputs(True)`` (they copy index tensors to the host: a sync)."""
+    return (_check_inputs or q.device.type == "cpu") and not torch.compiler.is_compiling()
+
+
+def _check_cu_seqlens_values(name, cu, total, max_seqlen):
+    """Data-dependent: 0 = c[0] <= ... <= c[-1] <= total, no sequence longer than max_seqlen."""
+    c = cu.cpu()
+    lens = c[1:] - c[:-1]
+    if c[0].item() != 0 or (lens < 0).any() or c[-1].item() > total:
+        _fail(name, c.tolist(), f"expected 0 = c[0] <= c[1] <= ... <= c[-1] <= {total} (tokens in the tensor)")
+    if lens.numel() > 0 and lens.max().item() > max_seqlen:
+        _fail(f"max_seqlen_{name[-1]}", max_seqlen, f"must be >= the longest sequence, {lens.max().item()}")
 
 
 def _check_index_vector(name, x, batch, device_of):
@@ -183,22 +201,14 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:
             _fail(f"{name}.stride(-1)", cache.stride(-1), "the cache is updated in place: its last dim must be contiguous")
-    host = (_check_inputs or q.device.type == "cpu") and not torch.compiler.is_compiling()
+    host = _host_checks(q)
     if varlen_q:
-        if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 \
-                or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or not cu_seqlens_q.is_contiguous():
-            _fail("cu_seqlens_q", getattr(cu_seqlens_q, "shape", cu_seqlens_q), "expected a contiguous int32 tensor of shape (batch + 1,)")
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
         check_device(q, cu_seqlens_q)
-        if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-            _fail("max_seqlen_q", max_seqlen_q, "expected an int >= 0 (the longest query sequence) with cu_seqlens_q")
+        _check_max_seqlen("max_seqlen_q", max_seqlen_q)
         batch = cu_seqlens_q.shape[0] - 1
         if host:
-            c = cu_seqlens_q.cpu()
-            lens = c[1:] - c[:-1]
-            if c[0].item() != 0 or (lens < 0).any() or c[-1].item() > q.shape[0]:
-                _fail("cu_seqlens_q", c.tolist(), f"expected 0 = c[0] <= c[1] <= ... <= c[-1] <= {q.shape[0]} (tokens in q)")
-            if batch > 0 and lens.max().item() > max_seqlen_q:
-                _fail("max_seqlen_q", max_seqlen_q, f"must be >= the longest sequence, {lens.max().item()}")
+            _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     else:
         batch = q.shape[0]
     if page_table is not None:

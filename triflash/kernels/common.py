@@ -94,19 +94,26 @@ def launch_order(tile, num_blocks, section_heads):
 @triton.jit
 def seqlen_info(batch, seqlen_q, seqlen_k, total_q, total_k,
                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
+                IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+                DENSE_K: tl.constexpr = False):
     """Return (start_q, len_q, start_k, len_k) of sequence ``batch``.
 
     Varlen starts and ends are clamped to the tensor's token count, so malformed
     ``cu_seqlens`` can shorten a sequence but never make a kernel read out of bounds.
+    ``DENSE_K`` (with IS_VARLEN): packed queries over a dense batch of keys, each sequence's
+    ``seqlen_k`` rows (a KV cache: ``flash_attn_with_kvcache`` with ``cu_seqlens_q``).
     """
     if IS_VARLEN:
         start_q = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + batch), 0), total_q)
         end_q = tl.minimum(tl.load(cu_seqlens_q + batch + 1), total_q)
-        start_k = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + batch), 0), total_k)
-        end_k = tl.minimum(tl.load(cu_seqlens_k + batch + 1), total_k)
         len_q = tl.maximum(end_q - start_q, 0)
-        len_k = tl.maximum(end_k - start_k, 0)
+        if DENSE_K:
+            start_k = 0
+            len_k = seqlen_k
+        else:
+            start_k = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + batch), 0), total_k)
+            end_k = tl.minimum(tl.load(cu_seqlens_k + batch + 1), total_k)
+            len_k = tl.maximum(end_k - start_k, 0)
     else:
         start_q = 0
         start_k = 0
@@ -117,6 +124,26 @@ def seqlen_info(batch, seqlen_q, seqlen_k, total_q, total_k,
     if HAS_SEQUSED_K:
         len_k = tl.minimum(tl.maximum(tl.load(seqused_k + batch), 0), len_k)
     return start_q, len_q, start_k, len_k
+
+
+@triton.jit
+def cache_batch(KV_BATCH, batch, num_batches, HAS_KV_BATCH: tl.constexpr):
+    """The KV-cache batch that sequence ``batch`` reads and appends to: KV_BATCH[batch]
+    (``cache_batch_idx``, clamped to the cache so that a bad index cannot fault), or batch."""
+    b = batch
+    if HAS_KV_BATCH:
+        b = tl.minimum(tl.maximum(tl.load(KV_BATCH + batch), 0), num_batches - 1)
+    return b
+
+
+@triton.jit
+def paged_rows(page_row, rows, ok, page_size, num_blocks):
+    """(block, row in block), int64, of a sequence's logical KV-cache rows ``rows`` in a
+    paged cache: row r lives in block page_row[r // page_size] (the sequence's page-table
+    row; clamped to the cache, so that a bad entry cannot fault) at row r % page_size."""
+    block = tl.load(page_row + rows // page_size, mask=ok, other=0)
+    block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
+    return block, (rows % page_size).to(tl.int64)
 
 
 @triton.jit

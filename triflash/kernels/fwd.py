@@ -16,18 +16,8 @@ common case pays no masking arithmetic.
 import triton
 import triton.language as tl
 
-from .common import launch_order, n_block_range, scores, seqlen_info, to_output, visible
-
-
-@triton.jit
-def _paged_rows(page_row, start_k, offs_n, len_k, page_size, num_blocks, stride_b, stride_n):
-    """Offsets of keys ``offs_n`` (counted from the sequence's first key ``start_k``) in a paged
-    cache: logical row r lives in block page_row[r // page_size], row r % page_size. Block
-    numbers are clamped to the cache, so a bad page table cannot make a load fault."""
-    logical = start_k + offs_n
-    blk = tl.load(page_row + logical // page_size, mask=offs_n < len_k, other=0)
-    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-    return blk * stride_b + (logical % page_size).to(tl.int64) * stride_n
+from .common import (cache_batch, launch_order, n_block_range, paged_rows, scores, seqlen_info,
+                     to_output, visible)
 
 
 @triton.jit
@@ -45,11 +35,10 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
     for n_block in range(n_lo, n_hi):
         start_n = n_block * BLOCK_N
         offs_n = start_n + offs_n0
-        if PAGED:
-            k_ptrs = k_base + _paged_rows(page_row, start_k, offs_n, len_k, page_size, num_blocks,
-                                          stride_kb, stride_kn)[:, None] + offs_d[None, :]
-            v_ptrs = v_base + _paged_rows(page_row, start_k, offs_n, len_k, page_size, num_blocks,
-                                          stride_vb, stride_vn)[:, None] + offs_dv[None, :]
+        if PAGED:  # one page-table load per key block serves K and V
+            blk, row = paged_rows(page_row, start_k + offs_n, offs_n < len_k, page_size, num_blocks)
+            k_ptrs = k_base + (blk * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
+            v_ptrs = v_base + (blk * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
         else:
             k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :]
             v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + offs_n0[:, None] * stride_vn + offs_dv[None, :]
@@ -116,12 +105,12 @@ def flash_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False, HAS_K_START: tl.constexpr = False,
-    PAGED: tl.constexpr = False,
+    PAGED: tl.constexpr = False, DENSE_K: tl.constexpr = False,
 ):
-    # KV-cache addressing (flash_attn_with_kvcache; dense batches only): KV_BATCH[b] the
-    # cache batch of sequence b (cache_batch_idx), K_START[b] its first key (cache_leftpad),
-    # PAGED: K and V are (num_kv_blocks, page_size, heads, dim) blocks found through
-    # PAGE_TABLE (batch, pages). Off, the pointers are never read.
+    # KV-cache addressing (flash_attn_with_kvcache): KV_BATCH[b] the cache batch of sequence
+    # b (cache_batch_idx), K_START[b] its first key (cache_leftpad), PAGED: K and V are
+    # (num_kv_blocks, page_size, heads, dim) blocks found through PAGE_TABLE (batch, pages);
+    # DENSE_K: packed (varlen) queries over such a dense cache. Off, the pointers are never read.
     # Longest (under causal, last) query blocks first, a few heads at a time (launch_order).
     num_m = tl.cdiv(seqlen_q, BLOCK_M)  # seqlen_q: the longest sequence's length
     bh, rank = launch_order(tl.program_id(0), num_m, section_heads)
@@ -131,10 +120,8 @@ def flash_fwd_kernel(
     head_kv = head // (nheads // nheads_kv)
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
-    kv_batch = batch
-    if HAS_KV_BATCH:  # clamped: a bad index cannot make a load fault
-        kv_batch = tl.minimum(tl.maximum(tl.load(KV_BATCH + batch), 0), num_kv_blocks - 1)
+        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, DENSE_K)
+    kv_batch = cache_batch(KV_BATCH, batch, num_kv_blocks, HAS_KV_BATCH)
     if HAS_K_START:  # keys start_k .. start_k + len_k - 1 of the cache (left padding skipped)
         skip = tl.minimum(tl.maximum(tl.load(K_START + batch), 0), len_k)
         start_k += skip

@@ -7,7 +7,7 @@ no device-side fault); the caller checks the values where it can without a devic
 import triton
 import triton.language as tl
 
-from .common import launch_order
+from .common import cache_batch, launch_order, paged_rows
 
 
 @triton.jit
@@ -20,11 +20,6 @@ def _append_rows(NEW, CACHE, batch, head, rows, cache_rows, ok_rows, stride_nb, 
     x = tl.load(NEW + batch.to(tl.int64) * stride_nb + head.to(tl.int64) * stride_nh
                 + rows.to(tl.int64)[:, None] * stride_nn + cols[None, :], mask=ok)
     tl.store(CACHE + head.to(tl.int64) * stride_ch + cache_rows[:, None] + cols[None, :], x, mask=ok)
-
-
-@triton.jit
-def _cache_rows(block, pos, stride_cb, stride_cn):
-    return block.to(tl.int64) * stride_cb + pos.to(tl.int64) * stride_cn
 
 
 @triton.jit
@@ -42,16 +37,14 @@ def append_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, STARTS, KV_BATCH, PAGE_TABL
     pos = tl.load(STARTS + batch) + rows  # the sequence's logical cache row
     ok_rows = (rows < seqlen_new) & (pos >= 0) & (pos < capacity)
     if PAGED:
-        block = tl.load(PAGE_TABLE + batch.to(tl.int64) * stride_ptb + pos // page_size, mask=ok_rows, other=0)
-        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-        pos = pos % page_size
+        block, row = paged_rows(PAGE_TABLE + batch.to(tl.int64) * stride_ptb, pos, ok_rows,
+                                page_size, num_blocks)
     else:
-        block = batch
-        if HAS_KV_BATCH:
-            block = tl.minimum(tl.maximum(tl.load(KV_BATCH + batch), 0), num_blocks - 1)
-    _append_rows(K_NEW, K_CACHE, batch, head, rows, _cache_rows(block, pos, stride_kcb, stride_kcn), ok_rows,
+        block = cache_batch(KV_BATCH, batch, num_blocks, HAS_KV_BATCH).to(tl.int64)
+        row = pos.to(tl.int64)
+    _append_rows(K_NEW, K_CACHE, batch, head, rows, block * stride_kcb + row * stride_kcn, ok_rows,
                  stride_knb, stride_knn, stride_knh, stride_kch, D, BLOCK_D)
-    _append_rows(V_NEW, V_CACHE, batch, head, rows, _cache_rows(block, pos, stride_vcb, stride_vcn), ok_rows,
+    _append_rows(V_NEW, V_CACHE, batch, head, rows, block * stride_vcb + row * stride_vcn, ok_rows,
                  stride_vnb, stride_vnn, stride_vnh, stride_vch, DV, BLOCK_DV)
 
 

@@ -29,13 +29,12 @@ def alloc_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def alloc_fwd_outputs(q, v, varlen, seqused_q=None):
-    """(out, lse) of a forward, FA3's shapes. Varlen, or a dense batch with ``seqused_q``:
-    rows no sequence covers (cu_seqlens gaps, padding, past seqused) read as empty rows (0,
-    lse -inf), so they start that way."""
+def alloc_fwd_outputs(q, v, varlen):
+    """(out, lse) of a forward, FA3's shapes. Varlen: tokens no sequence covers (cu_seqlens
+    gaps, padding, past seqused) read as empty rows (0, lse -inf), so they start that way."""
     out_shape = q.shape[:-1] + (v.shape[-1],)
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
-    if varlen or seqused_q is not None:
+    if varlen:
         return (torch.zeros(out_shape, dtype=q.dtype, device=q.device),
                 torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device))
     return (alloc_output(out_shape, q.dtype, q.device), alloc_output(lse_shape, torch.float32, q.device))
@@ -76,10 +75,11 @@ def _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnPar
     dummy = q  # never dereferenced when the matching constexpr flag is off
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     total_q = q.shape[0] if varlen else q.shape[1]
-    total_k = k.shape[0] if varlen else k.shape[1]
+    # keys packed like the queries, or (cu_seqlens_k None: a KV cache under packed queries) dense
+    total_k = k.shape[0] if cu_seqlens_k is not None else k.shape[1]
     return dict(
         varlen=varlen, batch=batch,
-        ptrs=(cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+        ptrs=(cu_seqlens_q if varlen else dummy, cu_seqlens_k if cu_seqlens_k is not None else dummy,
               seqused_q if seqused_q is not None else dummy,
               seqused_k if seqused_k is not None else dummy),
         sizes=(p.max_seqlen_q, p.max_seqlen_k, total_q, total_k),
@@ -104,7 +104,7 @@ def _common_flags(q, v, p: AttnParams, upcast: bool):
 
 @dataclass(frozen=True)
 class CacheAddressing:
-    """Where a KV cache keeps each sequence's keys (``flash_attn_with_kvcache``, dense q):
+    """Where a KV cache keeps each sequence's keys (``flash_attn_with_kvcache``):
     ``batch_idx[b]`` the cache batch of sequence b (None: b); ``start[b]`` its first key
     (cache_leftpad; None: 0); ``page_table`` (batch, pages): the cache block of each page
     (None: not paged; paged caches are (num_blocks, page_size, heads, dim)). Key rows are
@@ -128,25 +128,27 @@ class CacheAddressing:
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams,
         cfg: FwdConfig, upcast: bool, cache: Optional[CacheAddressing] = None):
     """Returns (out, lse) with FlashAttention-3's shapes. ``cache``: a KV cache's addressing
-    (dense q, then ``p.max_seqlen_k`` is one sequence's cache capacity)."""
+    (then ``p.max_seqlen_k`` is one sequence's cache capacity, and packed queries come with
+    ``cu_seqlens_q`` and no ``cu_seqlens_k``)."""
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     cache_args, cache_flags = (cache or _NO_CACHE).kernel_args(k, q)
     varlen = s["varlen"]
+    k_varlen = cu_seqlens_k is not None  # else dense keys, also under packed queries (DENSE_K)
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    out, lse = alloc_fwd_outputs(q, v, varlen, seqused_q)
+    out, lse = alloc_fwd_outputs(q, v, varlen)
     if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     qk_scale, softcap_log2 = p.score_constants()
     grid = (ceil_div(p.max_seqlen_q, cfg.block_m) * s["batch"] * nheads,)  # (common.launch_order)
     flash_fwd_kernel[grid](
         q, k, v, out, lse,
-        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+        *_bshd_strides(q, varlen), *_bshd_strides(k, k_varlen), *_bshd_strides(v, k_varlen),
         *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
         *s["ptrs"], nheads, nheads_kv, *s["sizes"],
         qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p),
         *cache_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
-        **cache_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cache_flags, DENSE_K=varlen and not k_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
