@@ -106,13 +106,14 @@ def seqlen_info(batch, seqlen_q, seqlen_k, total_q, total_k,
     if IS_VARLEN:
         start_q = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + batch), 0), total_q)
         end_q = tl.minimum(tl.load(cu_seqlens_q + batch + 1), total_q)
-        len_q = tl.maximum(end_q - start_q, 0)
         if DENSE_K:
             start_k = 0
+            len_q = tl.maximum(end_q - start_q, 0)
             len_k = seqlen_k
-        else:
+        else:  # (this statement order keeps the dispatched kernels' code as GPU-tested)
             start_k = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + batch), 0), total_k)
             end_k = tl.minimum(tl.load(cu_seqlens_k + batch + 1), total_k)
+            len_q = tl.maximum(end_q - start_q, 0)
             len_k = tl.maximum(end_k - start_k, 0)
     else:
         start_q = 0
