@@ -50,6 +50,8 @@ the lse_log2 / Delta buffers give each sequence its own padded rows (``common.st
 and dK / dV leave by masked stores (``common._store_rows``) where a TMA box would run into
 the next sequence.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -62,7 +64,7 @@ from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, stat_descriptor, stat_row0,
-                     stat_rows, tma_compatible)
+                     stat_rows, tma_compatible, tma_reduce_add)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -139,12 +141,13 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
 
 @gluon.jit
 def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready,
-              free, ds_buf, dk, dv, keys, qcols0, dq_rows0, dq_cols, dq_ptr, stride_dqm,
-              len_q, len_k, qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-              STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+              free, k_bufs, ds_bufs, ds_ready, dq_buf, dq_desc, dk, dv, keys, qcols0,
+              tma_batch, head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2, window_left,
+              window_right, STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-              DQ_SPLIT: gl.constexpr):
-    """One query block (ring slot ``it``) for this warpgroup's 64 keys; returns (dk, dv)."""
+              C: gl.constexpr):
+    """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
+    returns (dk, dv)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -205,46 +208,55 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
     ds = (p * dp).to(dtype)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
-        # The previous block's dQ wgmma (synchronous) has retired: the tile is free.
-        ds_buf.store(ds)
+        # dS^T for both warpgroups' dQ wgmmas, double-buffered: a warpgroup writes slot
+        # it & 1 only after both arrived on ds_ready of block it - 1, which each does after
+        # its dQ wgmmas of block it - 2 (the last reads of that slot) have retired.
+        slot = it & 1
+        ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
+        mbarrier.arrive(ds_ready.index(slot))
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    if ATOMIC_DQ:
+        # dQ_m[:, C-th column slice] = dS K[:, slice] over the CTA's 128 keys: one wgmma per
+        # warpgroup's 64 keys (A = transposed view of its dS^T tile), in flight with dK.
+        DQN: gl.constexpr = D // 2
+        mbarrier.wait(ds_ready.index(slot), (it >> 1) & 1)
+        dq_tok = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_bufs.index(0).slice(C * DQN, DQN, dim=1),
+                               gl.zeros([BM, DQN], gl.float32, _acc_layout(DQN, dtype)), use_acc=False,
+                               is_async=True)
+        dq_tok = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)),
+                               k_bufs.index(1).slice(C * DQN, DQN, dim=1), dq_tok, is_async=True)
+        dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
+    else:
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
     # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics were
     # read into registers before the wgmmas were issued): one arrival per warpgroup.
     mbarrier.arrive(free.index(stage))
     if ATOMIC_DQ:
-        # dQ_m (this warpgroup's 64 keys) = dS K_w: A = transposed view of the dS^T tile.
-        # In DQ_SPLIT column slices of K_w, so that only a [64, D / DQ_SPLIT] fp32
-        # accumulator sits next to dK and dV.
-        DQN: gl.constexpr = D // DQ_SPLIT
-        dq_layout: gl.constexpr = _acc_layout(DQN, dtype)
-        # (m >> 31) is 0 but opaque to LLVM's induction-variable analysis: without it the
-        # per-element addresses become loop-invariant pointers / induction variables hoisted
-        # out of the query-block loop (2 registers each, spilled).
-        m_opq = m + (m >> 31)
-        dq_rows = m_opq * BM + dq_rows0
-        row_ptrs = dq_ptr + gl.expand_dims(dq_rows.to(gl.int64) * stride_dqm, 1)
-        row_ok = gl.expand_dims(dq_rows < len_q, 1)
-        for j in gl.static_range(DQ_SPLIT):
-            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf.slice(j * DQN, DQN, dim=1),
-                               gl.zeros([BM, DQN], gl.float32, dq_layout), use_acc=False)
-            gl.atomic_add(row_ptrs + gl.expand_dims(j * DQN + dq_cols, 0), dq, mask=row_ok,
-                          sem="relaxed")
+        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+        tma.store_wait(0)  # the previous block's reduce has read dq_buf
+        dq_buf.store(dq)
+        fence_async_shared()
+        # fp32 partial over this CTA's keys, added in L2 (dq_accum; scaled on the host)
+        tma_reduce_add(dq_desc, [tma_batch, m * BM, head, C * DQN], _tma_view(dq_buf, dq_desc))
     return dk, dv
 
 
 @gluon.jit
-def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
-                  q_ready, do_ready, free, ds_buf, dk_desc, dv_desc,
+def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
+                  q_ready, do_ready, free, ds_bufs, ds_ready, dq_bufs, dq_desc, dk_desc, dv_desc,
                   DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
-                  DQ, stride_dqb, stride_dqm, stride_dqh,
                   tma_batch, head_kv, group, start_k, key_start, len_q, len_k,
                   m_min, m_full_min, m_full_max, m_max,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                  IS_VARLEN: gl.constexpr):
+                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  C: gl.constexpr):
+    """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
+    ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
+    every query block's dQ over the CTA's keys."""
+    k_buf = k_bufs.index(C)
+    v_buf = v_bufs.index(C)
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     DV: gl.constexpr = v_buf.shape[1]
@@ -256,9 +268,6 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
 
     keys = key_start + gl.arange(0, KR, layout=gl.SliceLayout(1, s_layout))
     qcols0 = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-    dq_layout: gl.constexpr = _acc_layout(D // DQ_SPLIT, dtype)
-    dq_rows0 = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, D // DQ_SPLIT, layout=gl.SliceLayout(0, dq_layout))
     dk = gl.zeros([KR, D], gl.float32, o_layout)
     dv = gl.zeros([KR, DV], gl.float32, ov_layout)
     neg_inv_scale = -1.0 / qk_scale
@@ -267,7 +276,6 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     count = m_max - m_min
     for g in range(group):
         head = head_kv * group + g
-        dq_ptr = DQ + tma_batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
         base = g * count - m_min  # ring slot counter of query block m is base + m
         # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
         # top edge (window left edge); a key block reaching past len_k is masked throughout.
@@ -275,10 +283,16 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
         for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
             for m in range(bounds[seg], bounds[seg + 1]):
                 dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
-                                   q_ready, do_ready, free, ds_buf, dk, dv, keys, qcols0, dq_rows0,
-                                   dq_cols, dq_ptr, stride_dqm, len_q, len_k, qk_scale, neg_inv_scale,
-                                   softcap_log2, window_left, window_right,
-                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT)
+                                   q_ready, do_ready, free, k_bufs, ds_bufs, ds_ready, dq_bufs.index(C),
+                                   dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
+                                   qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
+                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C)
+    if ATOMIC_DQ:
+        # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
+        # epilogue overwrites: both arrive (count 2) once theirs have retired.
+        mbarrier.arrive(ds_ready.index(2))
+        mbarrier.wait(ds_ready.index(2), 0)
+        tma.store_wait(0)
 
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
     # has retired; the other warpgroup never touches them); the TMA store clips rows past
@@ -300,13 +314,12 @@ def _bwd_consumer(k_buf, v_buf, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
 
 @gluon.jit
 def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
-                      DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
-                      DQ, stride_dqb, stride_dqm, stride_dqh,
+                      DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh, dq_desc,
                       nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                       qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                       STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ATOMIC_DQ: gl.constexpr, DQ_SPLIT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
@@ -339,26 +352,36 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BM, DV], do_layout)
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
-    ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)
+    if ATOMIC_DQ:
+        # dS^T double-buffered per warpgroup ([slot, warpgroup]), dQ staging per warpgroup
+        ds_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, KR, BM], ds_layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BM, D // 2],
+                                            gl.NVMMASharedLayout.get_default_for([BM, D // 2], gl.float32))
+    else:
+        ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)  # unused
+        dq_bufs = ds_bufs
+    # ds_ready: slots 0 / 1 (dS^T of a query block written, both warpgroups), 2: the loop's end
+    ds_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    if ATOMIC_DQ:
+        for i in gl.static_range(3):
+            mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
     kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, NUM_CONSUMERS)
 
     gl.warp_specialize(
-        [(_bwd_consumer, (k_bufs.index(0), v_bufs.index(0), kv_bar, q_ring, do_ring, lse_ring,
-                          delta_ring, q_ready, do_ready, free, ds_bufs.index(0), dk_desc, dv_desc,
+        [(_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
+                          q_ready, do_ready, free, ds_bufs, ds_ready, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
-                          DQ, stride_dqb, stride_dqm, stride_dqh,
                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT, IS_VARLEN)),
-         (_bwd_consumer, (k_bufs.index(1), v_bufs.index(1), kv_bar, q_ring, do_ring, lse_ring,
-                          delta_ring, q_ready, do_ready, free, ds_bufs.index(1), dk_desc, dv_desc,
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0)),
+         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
+                          q_ready, do_ready, free, ds_bufs, ds_ready, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
-                          DQ, stride_dqb, stride_dqm, stride_dqh,
                           tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_SPLIT, IS_VARLEN)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -415,12 +438,12 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
     return [descriptor(q, BLOCK_M), descriptor(k, kr), descriptor(v, kr), descriptor(dout, BLOCK_M),
             descriptor(dk, kr), descriptor(dv, kr), stat_descriptor(stat), stat_descriptor(delta),
             dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2),
-            dq_accum, dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
+            descriptor(dq_accum, BLOCK_M, q.shape[-1] // 2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            cfg.dq_split, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
+            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
 
 
 def stats(pb, out, dout, lse):
@@ -485,11 +508,11 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum,
                                               params, cfg, True), num_warps=4)
-        dq.copy_(dq_accum.mul_(params.softmax_scale))
+        _scale_into(dq, dq_accum, params.softmax_scale)
     else:
-        dummy = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)  # never touched
-        hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dummy,
-                                              params, cfg, False), num_warps=4)
+        hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta,
+                                              _unused_dq_accum(q.device, d), params, cfg, False),
+                                num_warps=4)
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
@@ -503,6 +526,28 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
                            s, params, configs.SM90_BWD[d],
                            portable._common_flags(q, v, params, upcast=False))
     return _finish(dq, dk, dk_out, dv, dv_out)
+
+
+@triton.jit
+def _scale_cast_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(Y + offs, (tl.load(X + offs, mask=ok) * scale).to(Y.dtype.element_ty), mask=ok)
+
+
+def _scale_into(dq, dq_accum, scale):
+    """dq = dq_accum * scale in dq's dtype: one pass where dq is contiguous."""
+    if dq.is_contiguous():
+        n = dq.numel()
+        _scale_cast_kernel[(triton.cdiv(n, 4096),)](dq_accum, dq, n, scale, BLOCK=4096, num_warps=8)
+    else:
+        dq.copy_(dq_accum.mul_(scale))
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_dq_accum(device, d):
+    """The dq_accum a launch without ATOMIC_DQ passes (its TMA descriptor is built, never read)."""
+    return torch.empty((1, BLOCK_M, 1, d), dtype=torch.float32, device=device)
 
 
 def _finish(dq, dk, dk_out, dv, dv_out):

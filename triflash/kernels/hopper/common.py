@@ -7,6 +7,8 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from ..common import launch_order, launch_sections, m_block_range, n_block_range, seqlen_info
@@ -17,6 +19,18 @@ def _acc_layout(n, dtype):
     """wgmma accumulator of one warpgroup: instr m16 x n x k(16 for 16-bit inputs)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                      instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``cp.reduce.async.bulk.tensor.add`` of shared tile ``src`` into the box of
+    ``tensor_desc`` at ``coord`` (the L2 adds, elementwise, atomically per element; the
+    order of concurrent adds is not fixed). Like ``tma.async_copy_shared_to_global`` it
+    joins the thread's bulk group: ``tma.store_wait`` before ``src`` is written again.
+    (Gluon 3.6 builds the op but exports no wrapper for it.)"""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
 
 
 @gluon.jit
@@ -156,7 +170,7 @@ def _store_rows(buf, PTR, stride_row, nrows):
 
 
 def _gl_dtype(dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
 @functools.lru_cache(maxsize=None)
