@@ -81,6 +81,16 @@ HOPPER_BWD_SPILL_BUDGET = {
     ("window-softcap", 256): 64,
 }
 
+# The same with the in-kernel dQ (atomic_dq) at 128: its 64 x 64 fp32 dQ accumulator and the
+# descriptor / coordinates of the reduce next to dK and dV; measured (bf16 and fp16) at
+# 9878a6e: plain 104 B, causal 96 B, window + softcap 636 B, almost all of it outside the
+# query-block loop (prologue stores, epilogue loads). It ran 1.10x / 1.15x the separate-dQ
+# backward (benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json).
+HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
+    ("plain", 128): 128,
+    ("causal", 128): 128,
+    ("window-softcap", 128): 704,
+}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries (24 B).
 HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32}
@@ -134,15 +144,25 @@ def test_hopper_forward_compiles_for_sm90a():
 def test_hopper_backward_compiles_for_sm90a():
     """The dK/dV kernel of every tile of configs.SM90_HOPPER_BWD (hopper/bwd256.py's at head
     dim 256), fp16 and bf16, plain / causal / window+softcap, dense and (bf16) varlen, as
-    dispatched: no atomics."""
+    dispatched: no per-thread atomics; where the tile has ``atomic_dq`` (deterministic=False,
+    dense) also the variant that adds dQ by TMA reduce-add, with the tile's ring depth."""
     from triflash.kernels import configs
     rows = _compiled("bwd")
     assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_BWD)
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
     assert {r["kernel"] for r in rows if r["headdim"] == 256} == {"hopper_bwd256"}
     assert {r["headdim"] for r in rows if r.get("varlen")} == set(configs.SM90_HOPPER_BWD)
+    assert {r["headdim"] for r in rows if r["atomic_dq"]} == {
+        d for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq}
     for r in rows:
-        _check_row(r, HOPPER_BWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
+        c = configs.SM90_HOPPER_BWD[r["headdim"]]
+        if r["atomic_dq"]:
+            assert r["stages"] == c.atomic_stages and not r.get("varlen"), r
+            assert r["tma_reduce"] > 0, r
+            _check_row(r, HOPPER_BWD_ATOMIC_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
+        else:
+            assert r["tma_reduce"] == 0, r
+            _check_row(r, HOPPER_BWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
         assert r["atomics"] == 0, r
 
 

@@ -56,11 +56,13 @@ class HopperBwdConfig:
     TMA loader warp; Q/dO rings of ``stages`` slots of 64 query rows."""
     stages: int
     num_consumers: int = 2
-    # False: dQ in the separate (portable) dQ kernel, no atomics: faster on the H200 and
-    # bitwise reproducible. True (deterministic=False only): dQ added with fp32 atomics by
-    # each warpgroup inside the dK/dV kernel, in ``dq_split`` column slices.
+    # True (deterministic=False, dense batches): dQ inside the dK/dV kernel, each warpgroup's
+    # fp32 column slice over the CTA's keys added in L2 by a TMA reduce-add (5 matmuls; the
+    # order of the adds varies, so the bits may too), with Q/dO rings ``atomic_stages``
+    # deep. deterministic=True, varlen, or False here: the separate dQ kernel (7 matmuls,
+    # no atomics, bitwise reproducible).
     atomic_dq: bool = False
-    dq_split: int = 1
+    atomic_stages: int = 2
     # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py) with ``dq_block_n``-key K/V tiles
     # in ``dq_stages``-deep rings (every dispatched tile since session 4: backward at 128
     # 509.6 / 468.6 TFLOPS against 445.2 / 402.7 with the Triton dQ kernel, probes
@@ -147,10 +149,13 @@ SM90_HOPPER_FWD = {
 # ring depth at 128 with the Triton dQ kernel 2: 433.1 / 391.0, 3: 437.3 / 386.3,
 # 4: 445.2 / 402.7; the Gluon dQ at 128 with 128-key tiles 478.6 / 465.2 or a 3-deep ring
 # 492.1 / 449.4, both below the 64-key 2-deep tile. Per-warpgroup atomic dQ inside the
-# dK/dV kernel (atomic_dq=True) was 298.4 at 128 (hopper-bwd-speed-5387ddb.json).
+# dK/dV kernel (per-thread red.global.add) was 298.4 at 128 (hopper-bwd-speed-5387ddb.json).
+# dQ by TMA reduce-add of shared dS (atomic_dq, probes/bwd-probe-speed-*-9878a6e.json, same
+# process as the det rows): 128 with 2-deep rings 532.6 / 526.6, 3-deep 536.0 / 488.3,
+# separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128),
-    128: HopperBwdConfig(stages=4, dq_split=2, gluon_dq=True),
+    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4),
+    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.

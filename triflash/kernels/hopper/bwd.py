@@ -1,6 +1,7 @@
 """Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups computing
-dK and dV, then dQ in the Gluon dQ kernel (``hopper/bwd_dq.py``; no atomics, so the default
-backward is bitwise reproducible too). Dispatched on sm90 for dense and varlen batches at
+dK and dV, and dQ either in the same kernel, added in L2 by TMA reduce-add (deterministic=False
+on a dense batch, where the tile has ``atomic_dq``: 5 matmuls), or in the Gluon dQ kernel
+(``hopper/bwd_dq.py``; 7 matmuls, no atomics, bitwise reproducible). Dispatched on sm90 for dense and varlen batches at
 head dim 64 and 128 (= headdim_v; 256: ``hopper/bwd256.py``'s dK/dV kernel); tiles in
 ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
 Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
@@ -23,22 +24,24 @@ those wgmmas from registers. One CTA owns one key block of ``NUM_CONSUMERS * 64`
   wgmmas, shared x shared; with softcap dP is issued after P instead, see ``_bwd_step``);
   P^T = exp2(S^T * scale_log2 - lse_log2[q]) (masked on edge blocks);
   dV_w += P^T dO_m (P^T from registers); dS^T = P^T dP'^T (times 1 - tanh^2 with softcap);
-  dK_w += dS^T Q_m (dS^T from registers); then, unless deterministic, dS^T goes to this
-  warpgroup's own shared tile and dQ_m (partial over its 64 keys) = dS K_w (A = the
-  transposed view of that tile; at D=128 in two 64-column slices of K_w to save registers)
-  is added into an fp32 ``dq_accum`` with ``gl.atomic_add`` (red.global.add.v2.f32).
+  dK_w += dS^T Q_m (dS^T from registers). With ``ATOMIC_DQ``, dS^T also goes to this
+  warpgroup's shared tile (two slots, alternating per query block; ``ds_ready`` counts both
+  warpgroups' arrivals) and warpgroup c computes columns [c D/2, (c+1) D/2) of
+  dQ_m = dS K over the CTA's 128 keys (two wgmmas, A = the transposed views of both dS^T
+  tiles, B = column slices of both K tiles), stages that fp32 slice in shared memory and
+  adds it into ``dq_accum`` with one TMA reduce-add (``cp.reduce.async.bulk.tensor``): the
+  L2 does the adds, a bulk operation per 64 x D/2 slice instead of per-thread atomics.
 * epilogue: dK_w * softmax_scale and dV_w go out through the consumer's own K_w / V_w tiles
   (no longer read) with TMA stores, which clip rows past the sequence.
 
 The host function runs ``bwd_stats_kernel`` (Delta = rowsum(dO * O) and lse in log2 units with
-+inf for rows past len_q / rows that saw no key, both padded to whole 64-row tiles), this
-kernel without dQ (ATOMIC_DQ=False), then the portable ``bwd_dq_kernel``. The in-kernel
-atomic dQ (``HopperBwdConfig.atomic_dq``, deterministic=False only; then
-dq = dq_accum * softmax_scale) is kept for experiments: on the H200 it made the backward
-slower than the portable one (298.4 vs 331.8 TFLOPS at head dim 128,
-benchmarks/results/probes/hopper-bwd-speed-5387ddb.json), while the split form reached 433.1
-(hopper-bwd-speed-det-f3942c4.json): two warpgroups' 64 x D fp32 partials per 64-query step
-saturate the atomic path.
++inf for rows past len_q / rows that saw no key, both padded to whole 64-row tiles), then
+this kernel with ATOMIC_DQ (dq = dq_accum * softmax_scale after it) or without it followed
+by the Gluon dQ kernel. History: per-thread ``red.global.add`` of each warpgroup's 64 x D
+partial made the backward slower than the portable one (298.4 TFLOPS at head dim 128,
+benchmarks/results/probes/hopper-bwd-speed-5387ddb.json); the separate dQ kernel reached
+483.8 / 459.7 (non-causal / causal) and the TMA reduce-add of shared dS 532.6 / 526.6
+(probes/bwd-probe-speed-*-9878a6e.json).
 
 Math and masking are those of ``triflash/kernels/bwd.py`` (the portable backward).
 Covered: dense (batch, seqlen, heads, dim) inputs, head dim 64 / 128 (= headdim_v),
@@ -441,7 +444,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             descriptor(dq_accum, BLOCK_M, q.shape[-1] // 2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            cfg.stages, cfg.num_consumers,
+            cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
 

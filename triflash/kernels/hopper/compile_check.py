@@ -47,7 +47,8 @@ def _compile(kernel, args) -> dict:
                 registers=info["registers"], spill_bytes=info["spill_stores"] + info["spill_loads"],
                 setmaxnreg="setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx,
                 has_wgmma="wgmma.mma_async" in ptx, has_tma="cp.async.bulk.tensor" in ptx,
-                atomics=ptx.count("red.global") + ptx.count("atom.global"), ptx=ptx)
+                atomics=ptx.count("red.global") + ptx.count("atom.global"),
+                tma_reduce=ptx.count("cp.reduce.async.bulk"), ptx=ptx)
 
 
 def _problem(headdim, dtype, feature, varlen=False):
@@ -119,7 +120,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
                 varlen: bool = False) -> dict:
     """The dK/dV kernel the dispatch runs at ``headdim`` with the tile of
     ``configs.SM90_HOPPER_BWD`` (or ``cfg``): ``hopper/bwd.py``'s, or ``hopper/bwd256.py``'s
-    at head dim 256; ``atomic_dq``: the experimental in-kernel dQ (not dispatched);
+    at head dim 256; ``atomic_dq``: with the in-kernel dQ (TMA reduce-add, the
+    deterministic=False launch where the tile has ``atomic_dq``);
     ``varlen``: packed sequences."""
     import torch
 
@@ -127,7 +129,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     from . import bwd as B
     cfg = cfg or configs.SM90_HOPPER_BWD[headdim]
     pb, (q, k, v, do, _, dk, dv), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq, stages=cfg.stages)
+    row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq,
+               stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if varlen:
         row["varlen"] = True
     if headdim in B.SPLIT_D_HEAD_DIMS:
@@ -163,12 +166,13 @@ def all_fwd(dtypes=("bf16", "fp16")):
             + [compile_fwd(d, "bf16", f, kvcache=True) for d in dims for f in ("causal", "window-softcap")])
 
 
-def all_bwd(dtypes=("bf16", "fp16"), atomic=(False,)):
-    """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16."""
+def all_bwd(dtypes=("bf16", "fp16")):
+    """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16;
+    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too."""
     from .. import configs
     dims = sorted(configs.SM90_HOPPER_BWD)
-    return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes
-             for f in FEATURES for a in atomic if not (a and d == 256)]
+    modes = {d: (False, True) if configs.SM90_HOPPER_BWD[d].atomic_dq else (False,) for d in dims}
+    return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes for f in FEATURES for a in modes[d]]
             + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES])
 
 
@@ -217,7 +221,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
-    ap.add_argument("--atomic", action="store_true", help="with --bwd: also the experimental atomic-dQ variant")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
@@ -226,7 +229,7 @@ def main(argv=None):
     if a.dq:
         rows = all_dq()
     elif a.bwd:
-        rows = all_bwd(atomic=(False, True) if a.atomic else (False,))
+        rows = all_bwd()
     else:
         rows = all_fwd()
     for r in rows:
