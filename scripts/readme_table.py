@@ -14,6 +14,7 @@ result that failed its correctness check is shown with "FAIL"; "-" means not mea
 Needs only the standard library.
 """
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -123,7 +124,7 @@ def load(paths):
     (case, impl, mode) replaces an earlier one."""
     datas = []
     for path in paths:
-        with open(path) as f:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:  # old runs: .json.gz
             datas.append(json.load(f))
     meta = dict(datas[0]["meta"])
     rows = {}

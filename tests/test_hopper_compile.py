@@ -101,7 +101,7 @@ HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32}
 # needs 64-bit addresses, on top of the dense kernel's registers. Measured (bf16) at
 # bcff93c: forward 44-360 B, dK/dV as dense (248 / 64 B with window + softcap), dQ at 256
 # 8-52 B. The varlen forward at that size of spill ran at 0.96x-0.97x of the dense one on
-# the seed case (benchmarks/results/h200-latest.json).
+# the seed case (benchmarks/results/h200-bcff93c.json.gz).
 HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("causal", 128): 64,
     ("window-softcap", 128): 192,

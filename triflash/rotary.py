@@ -43,5 +43,7 @@ def token_positions(offsets, seqlen, same_position=False, cu_seqlens=None, total
         return offsets[:, None] + (0 if same_position else steps[None, :])
     t = torch.arange(total, device=offsets.device)
     starts = cu_seqlens.to(torch.long)
-    b = torch.searchsorted(starts[1:], t, right=True).clamp(max=max(offsets.shape[0] - 1, 0))
+    # sequence of token t: (starts <= t) counted, minus 1 (starts[0] = 0). On the whole
+    # tensor: torch 2.11's inductor fails to lower searchsorted over a slice (SliceView).
+    b = (torch.searchsorted(starts, t, right=True) - 1).clamp(0, max(offsets.shape[0] - 1, 0))
     return offsets[b] + (0 if same_position else t - starts[b])

@@ -95,10 +95,12 @@ def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     if not args or len(args) > 2:
         raise SystemExit("usage: python -m triflash.bench.plot RESULTS.json [OUT.png]")
-    with open(args[0]) as fh:
+    import gzip
+    with (gzip.open if args[0].endswith(".gz") else open)(args[0], "rt") as fh:  # old runs: .json.gz
         data = json.load(fh)
     meta = data.get("meta", {})
-    out = args[1] if len(args) > 1 else os.path.splitext(args[0])[0] + ".png"
+    stem = args[0][:-3] if args[0].endswith(".gz") else args[0]
+    out = args[1] if len(args) > 1 else os.path.splitext(stem)[0] + ".png"
     title = f"{meta.get('gpu', '')} -- commit {str(meta.get('commit', ''))[:10]}"
     return 0 if plot(data["results"], out, title) else 1
 

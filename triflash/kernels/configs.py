@@ -104,7 +104,7 @@ INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 #   bwd 256: dK/dV 64x128 and fwd 64x128 do not fit in shared memory
 # sweep-h200-6ffbd25.json (older, measured while the GPU tests shared the card): atomic dQ
 # inside the dK/dV kernel vs the separate dQ kernel; the H200 benchmark then confirmed the
-# separate dQ kernel faster at 64/128 (h200-9f1c860.json: 128 329.2 vs 313.0, causal 308.3
+# separate dQ kernel faster at 64/128 (h200-9f1c860.json.gz: 128 329.2 vs 313.0, causal 308.3
 # vs 282.4), so atomic_dq=False everywhere on sm90. At 256 two fp32 BLOCK_N x 256
 # accumulators cannot share 255 registers, so dK and dV run as two passes (split_dkdv).
 SM90_FWD = {
