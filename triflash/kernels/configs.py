@@ -63,9 +63,6 @@ class HopperBwdConfig:
     # no atomics, bitwise reproducible).
     atomic_dq: bool = False
     atomic_stages: int = 2
-    # with atomic_dq: each step computes the previous query block's dQ (three dS^T slots),
-    # so the two warpgroups need not wait for each other's dS^T of the current block
-    dq_lag: bool = False
     # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py) with ``dq_block_n``-key K/V tiles
     # in ``dq_stages``-deep rings (every dispatched tile since session 4: backward at 128
     # 509.6 / 468.6 TFLOPS against 445.2 / 402.7 with the Triton dQ kernel, probes
@@ -158,7 +155,7 @@ SM90_HOPPER_FWD = {
 # separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4),
-    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, dq_lag=True),
+    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.

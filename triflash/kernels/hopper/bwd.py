@@ -145,13 +145,12 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
 @gluon.jit
 def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready,
               free, k_bufs, ds_bufs, ds_bars, dq_buf, dq_desc, dk, dv, keys, qcols0,
-              tma_batch, head, dq_m, dq_head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2,
+              tma_batch, head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2,
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, DQ_LAG: gl.constexpr, C: gl.constexpr):
+              ATOMIC_DQ: gl.constexpr, C: gl.constexpr):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
-    returns (dk, dv). With ``ATOMIC_DQ`` also the dQ slice of query block ``dq_m`` of query
-    head ``dq_head``: this block's (m, head), or with ``DQ_LAG`` the previous one's."""
+    returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -212,33 +211,17 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
     ds = (p * dp).to(dtype)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
-        # dS^T to this warpgroup's tile of shared slot ``slot``, for both warpgroups' dQ
-        # wgmmas (``ds_bars``: 0-2 ready, 3-5 free, per slot; count 2).
-        if DQ_LAG:
-            # three slots; the dQ of block it - 3 (the last reader of this slot) is done at
-            # step it - 2 by each warpgroup, which then arrives on the slot's free barrier
-            slot = it % 3
-            mbarrier.wait(ds_bars.index(3 + slot), ((it // 3) & 1) ^ 1)
-        else:
-            # two slots: a warpgroup writes slot it & 1 only after both arrived on ready of
-            # block it - 1, which each does after its dQ wgmmas of block it - 2 retired
-            slot = it & 1
+        # dS^T to this warpgroup's tile of shared slot it & 1, for both warpgroups' dQ
+        # wgmmas (``ds_bars`` 0 / 1: the slot written by both). A warpgroup writes slot
+        # it & 1 only after both arrived for block it - 1, which each does after its dQ
+        # wgmmas of block it - 2 (the last reads of the slot) have retired.
+        slot = it & 1
         ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
     if ATOMIC_DQ:
-        if DQ_LAG:
-            # block it - 1's dS, which the other warpgroup wrote a step ago: the warpgroups
-            # need not run in lockstep. For it = 0 there is no block -1: parity 1 of the
-            # fresh ready barrier passes at once, and dq_m = -1 puts the reduce's box out of
-            # bounds (TMA writes nothing there).
-            dslot = (it + 2) % 3
-            duse = (it + 2) // 3 - 1
-        else:
-            dslot = slot
-            duse = it >> 1
-        dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, dslot, duse, BM, C)
+        dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
         dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
     else:
         dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
@@ -247,9 +230,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     mbarrier.arrive(free.index(stage))
     if ATOMIC_DQ:
         dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        if DQ_LAG:
-            mbarrier.arrive(ds_bars.index(3 + dslot), pred=it > 0)
-        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, dq_m, dq_head, C)
+        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
     return dk, dv
 
 
@@ -288,8 +269,8 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   m_min, m_full_min, m_full_max, m_max,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_LAG: gl.constexpr,
-                  IS_VARLEN: gl.constexpr, C: gl.constexpr):
+                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  C: gl.constexpr):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys."""
@@ -312,8 +293,6 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
 
     mbarrier.wait(kv_bar, 0)
     count = m_max - m_min
-    dq_m = m_min * 0 - 1  # DQ_LAG: the block whose dQ the next step computes (-1: none)
-    dq_head = head_kv * group
     for g in range(group):
         head = head_kv * group + g
         base = g * count - m_min  # ring slot counter of query block m is base + m
@@ -322,32 +301,16 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
         bounds = (m_min, m_full_min, m_full_max, m_max)
         for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
             for m in range(bounds[seg], bounds[seg + 1]):
-                if DQ_LAG:
-                    dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
-                                       q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
-                                       dq_desc, dk, dv, keys, qcols0, tma_batch, head, dq_m, dq_head,
-                                       len_q, len_k, qk_scale, neg_inv_scale, softcap_log2, window_left,
-                                       window_right, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                       ATOMIC_DQ, DQ_LAG, C)
-                    dq_m = m
-                    dq_head = head
-                else:
-                    dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
-                                       q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
-                                       dq_desc, dk, dv, keys, qcols0, tma_batch, head, m, head,
-                                       len_q, len_k, qk_scale, neg_inv_scale, softcap_log2, window_left,
-                                       window_right, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                       ATOMIC_DQ, DQ_LAG, C)
+                dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
+                                   q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
+                                   dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
+                                   qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
+                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C)
     if ATOMIC_DQ:
-        if DQ_LAG:  # the last block's dQ
-            total = group * count
-            dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, (total + 2) % 3, (total + 2) // 3 - 1, BM, C)
-            _dq_reduce(warpgroup_mma_wait(0, deps=(dq_tok,)), dq_bufs.index(C), dq_desc, tma_batch,
-                       dq_m, dq_head, C)
         # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
         # epilogue overwrites: both arrive (count 2) once theirs have retired.
-        mbarrier.arrive(ds_bars.index(6))
-        mbarrier.wait(ds_bars.index(6), 0)
+        mbarrier.arrive(ds_bars.index(2))
+        mbarrier.wait(ds_bars.index(2), 0)
         tma.store_wait(0)
 
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
@@ -375,7 +338,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                       STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ATOMIC_DQ: gl.constexpr, DQ_LAG: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
@@ -410,17 +373,16 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
     if ATOMIC_DQ:
         # dS^T double-buffered per warpgroup ([slot, warpgroup]), dQ staging per warpgroup
-        ds_bufs = gl.allocate_shared_memory(dtype, [(3 if DQ_LAG else 2) * NUM_CONSUMERS, KR, BM], ds_layout)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, KR, BM], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BM, D // 2],
                                             gl.NVMMASharedLayout.get_default_for([BM, D // 2], gl.float32))
     else:
         ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)  # unused
         dq_bufs = ds_bufs
-    # ds_bars (both warpgroups arrive): 0-2 dS^T of a slot written, 3-5 a slot's dQ wgmmas
-    # retired (DQ_LAG), 6 the query-block loop's end
-    ds_bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+    # ds_bars (both warpgroups arrive): 0 / 1 dS^T of a slot written, 2 the loop's end
+    ds_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     if ATOMIC_DQ:
-        for i in gl.static_range(7):
+        for i in gl.static_range(3):
             mbarrier.init(ds_bars.index(i), count=NUM_CONSUMERS)
     kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, NUM_CONSUMERS)
 
@@ -431,14 +393,14 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_LAG, IS_VARLEN, 0)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                           tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, DQ_LAG, IS_VARLEN, 1)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -499,7 +461,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
-            params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq, atomic_dq and cfg.dq_lag,
+            params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
 
 
