@@ -1,8 +1,8 @@
 """Hopper (sm90) backward in Gluon: TMA loader warp + two wgmma consumer warpgroups computing
-dK and dV, and dQ either in the same kernel, added in L2 by TMA reduce-add (deterministic=False
-on a dense batch, where the tile has ``atomic_dq``: 5 matmuls), or in the Gluon dQ kernel
-(``hopper/bwd_dq.py``; 7 matmuls, no atomics, bitwise reproducible). Dispatched on sm90 for dense and varlen batches at
-head dim 64 and 128 (= headdim_v; 256: ``hopper/bwd256.py``'s dK/dV kernel); tiles in
+dK and dV, and dQ either in the same kernel, added in L2 by TMA reduce-add
+(deterministic=False on a dense batch, where the tile has ``atomic_dq``: 5 matmuls), or in
+the Gluon dQ kernel (``hopper/bwd_dq.py``; 7 matmuls, no atomics, bitwise reproducible).
+Dispatched on sm90 for dense and varlen batches at head dim 64 and 128 (= headdim_v; 256: ``hopper/bwd256.py``'s dK/dV kernel); tiles in
 ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
 Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
 
@@ -25,8 +25,8 @@ those wgmmas from registers. One CTA owns one key block of ``NUM_CONSUMERS * 64`
   P^T = exp2(S^T * scale_log2 - lse_log2[q]) (masked on edge blocks);
   dV_w += P^T dO_m (P^T from registers); dS^T = P^T dP'^T (times 1 - tanh^2 with softcap);
   dK_w += dS^T Q_m (dS^T from registers). With ``ATOMIC_DQ``, dS^T also goes to this
-  warpgroup's shared tile (two slots, alternating per query block; ``ds_ready`` counts both
-  warpgroups' arrivals) and warpgroup c computes columns [c D/2, (c+1) D/2) of
+  warpgroup's shared tile (two slots, alternating per query block; barriers ``ds_bars`` 0 / 1
+  count both warpgroups' arrivals, 2 guards the K tiles before the epilogue) and warpgroup c computes columns [c D/2, (c+1) D/2) of
   dQ_m = dS K over the CTA's 128 keys (two wgmmas, A = the transposed views of both dS^T
   tiles, B = column slices of both K tiles), stages that fp32 slice in shared memory and
   adds it into ``dq_accum`` with one TMA reduce-add (``cp.reduce.async.bulk.tensor``): the
