@@ -519,13 +519,10 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     q4, k4, v4, do4, dk4, dv4 = (pb.view(x) for x in (q, k, v, dout, dk, dv))
     atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
-    if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups
+    if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else None
-        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1,
-                      dq_accum=dq_accum)
-        if atomic_dq:
-            _scale_into(dq, dq_accum, params.softmax_scale)
+        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1)
+        atomic_dq = False
     elif atomic_dq:
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum,

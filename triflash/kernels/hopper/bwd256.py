@@ -35,58 +35,26 @@ Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
-from .common import _acc_layout, _key_tile, _tma_view, descriptor, stat_descriptor, tma_reduce_add
+from .common import _acc_layout, _key_tile, descriptor, stat_descriptor
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
 HALF = 128     # head-dim columns per warpgroup
-DQ_COLS = 64   # columns of one dQ reduce-add (ATOMIC_DQ): a 64 x 64 fp32 tile, 16 KB
-
-
-@gluon.jit
-def _dq_half(ds_buf, k_half, q_half, do_half, dq_desc, tma_batch, m, head, C: gl.constexpr):
-    """``ATOMIC_DQ``: dQ_m[:, 128 C : 128 C + 128] = dS K[:, those columns] over the CTA's 64
-    keys (two async wgmmas, A = the transposed view of the dS^T tile), added into
-    ``dq_accum`` by two 64-column TMA reduce-adds. The fp32 64 x 64 slices are staged in this
-    warpgroup's Q and dO half-tiles of the ring slot (16 KB each): every wgmma reading them
-    has retired by now (``_wg_scores`` / ``_wg_dprobs`` say why), and the caller releases the
-    slot only after ``tma.store_wait(0)``. No shared memory beyond the dQ-kernel variant's."""
-    BM: gl.constexpr = ds_buf.shape[1]
-    DQN: gl.constexpr = dq_desc.block_type.shape[3]
-    acc_layout: gl.constexpr = _acc_layout(DQN, k_half.dtype)
-    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQN], gl.float32)
-    gl.static_assert(2 * DQN == k_half.shape[1], "two 64-column slices per warpgroup")
-    a = ds_buf.permute((1, 0))
-    t0 = warpgroup_mma(a, k_half.slice(0, DQN, dim=1), gl.zeros([BM, DQN], gl.float32, acc_layout),
-                       use_acc=False, is_async=True)
-    t1 = warpgroup_mma(a, k_half.slice(DQN, DQN, dim=1), gl.zeros([BM, DQN], gl.float32, acc_layout),
-                       use_acc=False, is_async=True)
-    buf0 = q_half._reinterpret(gl.float32, [BM, DQN], stage_layout)
-    buf1 = do_half._reinterpret(gl.float32, [BM, DQN], stage_layout)
-    dq0 = warpgroup_mma_wait(1, deps=(t0,))
-    buf0.store(dq0)
-    fence_async_shared()
-    tma_reduce_add(dq_desc, [tma_batch, m * BM, head, (2 * C) * DQN], _tma_view(buf0, dq_desc))
-    dq1 = warpgroup_mma_wait(0, deps=(t1,))
-    buf1.store(dq1)
-    fence_async_shared()
-    tma_reduce_add(dq_desc, [tma_batch, m * BM, head, (2 * C + 1) * DQN], _tma_view(buf1, dq_desc))
 
 
 @gluon.jit
 def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, dq_desc,
+               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, ATOMIC_DQ: gl.constexpr):
-    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128) (and with
-    ``ATOMIC_DQ`` dQ columns [0, 128))."""
+               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr):
+    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -105,7 +73,6 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
     bounds = (m_min, m_full_min, m_full_max, m_max)
     for g in range(group):
         base = g * count - m_min
-        head = head_kv * group + g
         for seg in gl.static_range(3):
             for m in range(bounds[seg], bounds[seg + 1]):
                 it = base + m
@@ -148,6 +115,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     mbarrier.wait(ds_ready, x)
                     dk_tok = warpgroup_mma(ds_buf, q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+                    mbarrier.arrive(ds_free)
                 else:
                     if SOFTCAP:
                         p = p * (1.0 - t * t)
@@ -162,16 +130,6 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     mbarrier.arrive(ds_ready)
                     dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-                if ATOMIC_DQ:
-                    # Q_lo was last read by this warpgroup's S^T and dK wgmmas, dO_lo by its
-                    # dV and by WG1's dP'^T, which retired before WG1 handed over dP'^T or
-                    # dS^T (both waited for above): free for the staging.
-                    _dq_half(ds_buf, k_bufs.index(0), q_lo, do_ring.index(2 * stage), dq_desc,
-                             tma_batch, m, head, 0)
-                if DS_WG1:
-                    mbarrier.arrive(ds_free)  # (after this warpgroup's last read of ds_buf)
-                if ATOMIC_DQ:
-                    tma.store_wait(0)  # the reduces have read the staging tiles
                 mbarrier.arrive(free.index(stage))
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                 start_k, key0, len_k, 0, o_layout)
@@ -197,11 +155,11 @@ def _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
 @gluon.jit
 def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, dq_desc,
+               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-               STAGES: gl.constexpr, DS_WG1: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+               STAGES: gl.constexpr, DS_WG1: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
-    exchange); dK and dV columns [128, 256) (and with ``ATOMIC_DQ`` dQ columns [128, 256))."""
+    exchange); dK and dV columns [128, 256)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -214,8 +172,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
-    count = m_max - m_min
-    for it in range(group * count):
+    for it in range(group * (m_max - m_min)):
         stage = it % STAGES
         phase = (it // STAGES) & 1
         x = it & 1
@@ -233,7 +190,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
             dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_ring.index(2 * stage + 1), dk,
                                    is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-            mbarrier.arrive(pt_free)  # (ds_free: WG0, the last reader of ds_buf)
+            mbarrier.arrive(pt_free)  # (ds_free: WG0, the only reader of ds_buf)
         else:
             mbarrier.wait(dp_free, x ^ 1)
             dp_buf.store(dp)
@@ -246,16 +203,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
             dk_tok = warpgroup_mma(ds_buf, q_ring.index(2 * stage + 1), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
             mbarrier.arrive(pt_free)
-        if ATOMIC_DQ:
-            # Q_hi was last read by WG0's S^T (retired before it handed over P^T, waited for
-            # above) and this warpgroup's dK, dO_hi by this warpgroup's dP'^T and dV.
-            g = it // count
-            _dq_half(ds_buf, k_bufs.index(1), q_ring.index(2 * stage + 1), do_hi, dq_desc,
-                     tma_batch, m_min + it - g * count, head_kv * group + g, 1)
-        if not DS_WG1:
-            mbarrier.arrive(ds_free)  # (after this warpgroup's last read of ds_buf)
-        if ATOMIC_DQ:
-            tma.store_wait(0)  # the reduces have read the staging tiles
+            mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                 start_k, key0, len_k, H, o_layout)
@@ -279,12 +227,11 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 
 @gluon.jit
 def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
-                         DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, dq_desc,
+                         DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                         IS_VARLEN: gl.constexpr,
+                         SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
@@ -329,16 +276,16 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     gl.warp_specialize(
         [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, dq_desc,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, ATOMIC_DQ)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, dq_desc,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       STAGES, DS_WG1, ATOMIC_DQ)),
+                       STAGES, DS_WG1)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -347,29 +294,22 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
 
 
 def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
-                loader_regs=24, consumer_regs=240, dq_accum=None):
+                loader_regs=24, consumer_regs=240):
     """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
-    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; given an fp32 ``dq_accum``
-    shaped like q (dense, zeroed), the kernel adds dQ / softmax_scale into it (ATOMIC_DQ)."""
-    from .bwd import _unused_dq_accum
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``."""
     d = q.shape[-1]
     assert d == 2 * HALF and v.shape[-1] == d, "head dim 256 only"
-    assert dq_accum is None or not pb.varlen, "varlen: dQ by the dQ kernel"
     qk_scale, softcap_log2 = params.score_constants()
-    dq_box = dq_accum if dq_accum is not None else _unused_dq_accum(q.device, d)
     args = [descriptor(q, BLOCK_M, HALF), descriptor(k, BLOCK_N, HALF), descriptor(v, BLOCK_N, HALF),
             descriptor(dout, BLOCK_M, HALF), stat_descriptor(stat), stat_descriptor(delta),
             dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            descriptor(dq_box, BLOCK_M, DQ_COLS),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            ds_wg1 and params.softcap == 0.0, dq_accum is not None, *pb.seq_flags, loader_regs,
-            consumer_regs]
+            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs]
     return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 
-def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False, dq_accum=None):
-    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1,
-                             dq_accum=dq_accum)
+def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):
+    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1)
     hopper_bwd256_kernel[grid](*args, num_warps=4)
