@@ -136,6 +136,31 @@ def test_rounds_interleave_and_take_the_median(tmp_path):
         main(["--device", "cpu", "--rounds", "0"])
 
 
+def test_isolated_peer_runs_in_its_own_process(tmp_path, monkeypatch):
+    """--isolate: the peer is loaded, checked and timed in a worker process on the parent's
+    tensors (shared, not regenerated), later rounds included; the JSON says which impls were
+    isolated. A peer whose worker cannot import it is skipped with the reason."""
+    rc, data, _ = _run(tmp_path, "--preset", "cpu", "--seqlens", "64", "--causal", "true",
+                       "--impls", "triflash,sdpa-math,triflash-portable", "--rounds", "2",
+                       "--isolate", "sdpa-math,triflash-portable", "--no-plot")
+    assert rc == 0
+    assert data["meta"]["timing"]["isolated"] == ["sdpa-math", "triflash-portable"]
+    rows = {(r["impl"], r["mode"]): r for r in data["results"]}
+    for impl in ("sdpa-math", "triflash-portable"):
+        for mode in ("fwd", "bwd"):
+            r = rows[(impl, mode)]
+            assert r["passed"] is True and len(r["ms_rounds"]) == 2, r
+            # same inputs as the parent's impls: the same errors as the in-process triflash
+            # where the kernels are the same
+    assert rows[("triflash-portable", "bwd")]["max_err"] == rows[("triflash", "bwd")]["max_err"]
+
+    from triflash.bench import isolate
+    impl = isolate.Isolated("fa3", "cpu")
+    with pytest.raises(RuntimeError, match="import failed"):
+        impl.load()
+    impl.close()
+
+
 def test_readme_table_ratios_to_cudnn_and_fa4():
     """The README table's ratio columns: triflash over SDPA-cuDNN and over FA4 when measured."""
     spec = importlib.util.spec_from_file_location(

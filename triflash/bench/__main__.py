@@ -8,7 +8,8 @@ import sys
 from . import cases as C
 from . import report
 from .plot import plot as make_plot
-from .peers import CPU_IMPLS, GPU_IMPLS, SUBJECTS, make_impl
+from .isolate import Isolated
+from .peers import CPU_IMPLS, GPU_IMPLS, ISOLATED_BY_DEFAULT, SUBJECTS, make_impl
 
 INTERP_WARNING = ("NOTE: running on the CPU under Triton's interpreter (TRITON_INTERPRET=1). "
                   "Timings here mean NOTHING; this run only checks correctness.")
@@ -55,6 +56,10 @@ def parse_args(argv):
     t.add_argument("--only-seqlens", action="append", default=[], metavar="IMPL=S1,S2",
                    help="run IMPL only on cases with these seqlens (e.g. flex=8192: its "
                         "torch.compile per shape costs ~20 s a case); repeatable")
+    t.add_argument("--isolate", nargs="+", default=["default"], metavar="IMPL", help=(
+        "impls loaded and timed in a worker process of their own, so that what their import "
+        "does to the process (host time per torch call) falls on no other impl; default: "
+        f"{','.join(ISOLATED_BY_DEFAULT)} on CUDA; 'none' for none"))
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ref-budget-gb", type=float, default=2.0, help=(
         "fp32 score bytes the reference may materialize per case; larger cases are checked "
@@ -164,10 +169,17 @@ class Progress:
             self.bar.close()
 
 
-def load_impls(names, device, skipped):
+def isolated_names(args, device):
+    names = [n for item in args.isolate for n in item.split(",") if n]
+    if names == ["default"]:
+        return set(ISOLATED_BY_DEFAULT) if device == "cuda" else set()
+    return set() if names == ["none"] else set(names)
+
+
+def load_impls(names, device, skipped, isolate=()):
     impls = []
     for name in names:
-        impl = make_impl(name)
+        impl = Isolated(name, device) if name in isolate else make_impl(name)
         if device not in impl.devices:
             skipped[name] = f"needs {' or '.join(impl.devices)}; this run is on {device}"
         else:
@@ -228,8 +240,11 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
                 continue
             try:
                 timers = {} if args.rounds > 1 else None
-                measured = run_impl(impl, case, x, ref, args.modes, device, timing,
-                                    args.inference_fwd, timers)
+                if isinstance(impl, Isolated):
+                    measured = impl.measure(case, x, ref, args.modes, timing, args.inference_fwd, timers)
+                else:
+                    measured = run_impl(impl, case, x, ref, args.modes, device, timing,
+                                        args.inference_fwd, timers)
             except Exception as e:  # noqa: BLE001 - recorded, never hidden
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 if impl.name in SUBJECTS:
@@ -260,6 +275,12 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
             for rows in rows_by_impl.values():
                 _derive(rows, case)
         del rows_by_impl, timers_by_impl
+        for impl in impls:
+            if isinstance(impl, Isolated) and impl.name not in skipped:
+                try:
+                    impl.end_case()
+                except RuntimeError as e:  # its worker died: no later case for it
+                    skipped[impl.name] = str(e).splitlines()[0][:300]
         results += case_rows
         if case_rows:
             progress.write("\n" + report.detail_table(case_rows) + "\n")
@@ -291,7 +312,8 @@ def main(argv=None):
     if device == "cpu" and cases and cases[0].dtype == "bf16":
         print("WARNING: the interpreter computes bf16 arithmetic wrongly; use --dtype fp16", flush=True)
     skipped = {}
-    impls = load_impls(select_impls(args, device), device, skipped)
+    isolate = isolated_names(args, device)
+    impls = load_impls(select_impls(args, device), device, skipped, isolate)
     print(f"{len(cases)} cases x {len(args.modes)} modes x {len(impls)} impls "
           f"({', '.join(i.name for i in impls)}) on {device}, preset {preset}", flush=True)
     versions = {i.name: i.version() for i in impls if i.version()}
@@ -301,12 +323,19 @@ def main(argv=None):
                                         interpreter=interp, impl_versions=versions,
                                         timing={"warmup_ms": args.warmup, "rep_ms": args.rep,
                                                 "return_mode": "median", "rounds": args.rounds,
-                                                "fwd_autograd": not args.inference_fwd}),
+                                                "fwd_autograd": not args.inference_fwd,
+                                                "isolated": sorted(i.name for i in impls
+                                                                   if isinstance(i, Isolated))}),
                     complete=complete)
 
     # rewritten after every case: a run stopped by a time limit keeps what it measured
-    results = run_cases(cases, impls, args, device, skipped,
-                        on_case=lambda rows: report.write_json(args.out, meta(False), rows))
+    try:
+        results = run_cases(cases, impls, args, device, skipped,
+                            on_case=lambda rows: report.write_json(args.out, meta(False), rows))
+    finally:
+        for impl in impls:
+            if isinstance(impl, Isolated):
+                impl.close()
     meta = meta(True)
     report.write_json(args.out, meta, results)
     names = [i.name for i in impls]

@@ -18,6 +18,10 @@ import importlib
 GPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic",
              "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa2", "fa3", "fa4")
 CPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "sdpa-math")
+# Loaded and timed in a worker process of their own unless --isolate says otherwise (CUDA
+# runs): importing FlashAttention-4 made every torch call in the process dearer
+# (benchmarks/NOTES.md, bb86392 item 4); FA2/FA3 are separate native packages as well.
+ISOLATED_BY_DEFAULT = ("fa2", "fa3", "fa4")
 SUBJECTS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic")  # what is under test: failures set the exit code
 
 
@@ -228,4 +232,4 @@ def make_impl(name):
     return impl
 
 
-__all__ = ["GPU_IMPLS", "CPU_IMPLS", "SUBJECTS", "make_impl", "Impl"]
+__all__ = ["GPU_IMPLS", "CPU_IMPLS", "SUBJECTS", "ISOLATED_BY_DEFAULT", "make_impl", "Impl"]

@@ -190,7 +190,9 @@ def retime(rows_by_impl, timers_by_impl, device, timing, rounds):
         for name, timers in timers_by_impl.items():
             for mode, fn in timers.items():
                 row = rows_by_impl[name][mode]
+                remote = getattr(fn, "remote_ms", None)  # an isolated peer's (bench/isolate.py)
                 row.setdefault("ms_rounds", [row["ms"]]).append(
+                    remote(timing) if remote else
                     bench(fn, device, timing["warmup"], timing["rep"], timing["cpu_reps"])[0])
     for rows in rows_by_impl.values():
         for row in rows.values():
