@@ -39,7 +39,11 @@ CHECK_CASES = [
     # more tiles than SMs: persistent CTAs walk several tiles (ring phases carry over)
     (4, 1000, 1000, 16, 4, True, (-1, -1), 0.0),
     (3, 2000, 1500, 12, 12, False, (300, 100), 0.0),
+    # ~15 tiles per persistent CTA (ring and Q-slot phases over many tiles), GQA, causal
+    (8, 2048, 2048, 16, 4, True, (-1, -1), 0.0),
 ]
+# check --quick: bf16, odd lengths, causal sq < sk, window, softcap, and the many-tile cases
+QUICK_FWD = [1, 2, 4, 8, 9, 10, 14, 15, 16]
 
 
 def _apply_overrides(spec):
@@ -60,9 +64,10 @@ def check(args):
     _apply_overrides(args.config)
     print("configs:", configs.SM90_HOPPER_FWD, flush=True)
     results = []
+    cases = [CHECK_CASES[i] for i in QUICK_FWD] if args.quick else CHECK_CASES
     for d in args.headdims:
-        for dtype in ((torch.bfloat16, torch.float16) if d == 128 else (torch.bfloat16,)):
-            for (b, sq, sk, h, hk, causal, window, softcap) in CHECK_CASES:
+        for dtype in ((torch.bfloat16, torch.float16) if d == 128 and not args.quick else (torch.bfloat16,)):
+            for (b, sq, sk, h, hk, causal, window, softcap) in cases:
                 q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
                 k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
                 v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -118,7 +123,7 @@ def speed(args):
             continue
         for causal in (False, True):
             row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal)
-            for impl in ("hopper", "portable", "cudnn"):
+            for impl in args.impls.split(","):
                 try:
                     row[impl] = round(_fwd_tflops(b, s, h, d, causal, impl), 1)
                 except Exception as e:
@@ -169,6 +174,8 @@ def main():
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256],
                     help="check / speed: only these head dims")
     ap.add_argument("--tag", default="", help="appended to the output file name")
+    ap.add_argument("--quick", action="store_true", help="check: bf16 and 9 of the cases")
+    ap.add_argument("--impls", default="hopper,portable,cudnn", help="speed: these, in this order")
     args = ap.parse_args()
     t0 = time.time()
     res = globals()[args.part](args)

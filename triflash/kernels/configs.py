@@ -46,6 +46,9 @@ class HopperFwdConfig:
     num_consumers: int = 2
     pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
+    # persistent only: Q tiles (each also the O staging of its tile) for this many tiles, so
+    # the loader fetches the next tile's Q while this one runs (2: 2 x the Q shared memory)
+    q_slots: int = 1
     consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240)
     loader_regs: int = 24      # setmaxnreg for the loader warp (FA3: 24)
 

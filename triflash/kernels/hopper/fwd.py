@@ -44,7 +44,7 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
                 NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
+                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     kv_base = 0
     local = 0
@@ -54,13 +54,16 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
             tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
             CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
             BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
-        # The Q tiles double as the O staging of the previous tile: wait for its stores.
+        # The Q tiles double as the O staging of the tile that last used the slot: wait for
+        # its stores (with two slots the next tile's Q loads while this one is computed).
         # A fresh barrier counts as having completed the phase before 0.
-        mbarrier.wait(q_free, (local & 1) ^ 1)
-        mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
+        slot, use = _q_slot(local, Q_SLOTS)
+        mbarrier.wait(q_free.index(slot), (use & 1) ^ 1)
+        mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
-                                            _tma_view(q_bufs.index(c), q_desc))
+            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0],
+                                            q_ready.index(slot),
+                                            _tma_view(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
         count = n_max - n_min
         for it in range(count):
             n = n_max - 1 - it
@@ -77,6 +80,15 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                                             v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
         kv_base += count
         local += 1
+
+
+@gluon.jit
+def _q_slot(local, Q_SLOTS: gl.constexpr):
+    """(Q slot, how many times it was used before) of the CTA's ``local``-th tile."""
+    if Q_SLOTS == 1:
+        return 0, local
+    else:
+        return local % Q_SLOTS, local // Q_SLOTS
 
 
 @gluon.jit
@@ -160,7 +172,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 
 
 @gluon.jit
-def _fwd_consumer(CID: gl.constexpr, q_buf, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
+def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
                   v_free, turns, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
                   num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                   total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -168,12 +180,12 @@ def _fwd_consumer(CID: gl.constexpr, q_buf, q_ready, q_free, k_ring, v_ring, k_r
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
-    BM: gl.constexpr = q_buf.shape[0]
+                  HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr):
+    BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
-    KW: gl.constexpr = 32 // q_buf.dtype.primitive_bitwidth
-    s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
-    o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
+    KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_bufs.dtype)
+    o_layout: gl.constexpr = _acc_layout(DV, q_bufs.dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -192,7 +204,9 @@ def _fwd_consumer(CID: gl.constexpr, q_buf, q_ready, q_free, k_ring, v_ring, k_r
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([BM], gl.float32, layout=row_layout)
         o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready, local & 1)
+        slot, use = _q_slot(local, Q_SLOTS)
+        q_buf = q_bufs.index(slot * NUM_CONSUMERS + CID)
+        mbarrier.wait(q_ready.index(slot), use & 1)
         count = n_max - n_min
         if count > 0:
             # Prologue: the last key block, always through the mask (it may be the diagonal
@@ -246,7 +260,7 @@ def _fwd_consumer(CID: gl.constexpr, q_buf, q_ready, q_free, k_ring, v_ring, k_r
         q_buf.store(out.to(q_buf.dtype))
         _store_query_tile(q_buf, o_desc, O, stride_om, stride_oh, tma_batch, head, start_q, row_start,
                           len_q, IS_VARLEN)
-        mbarrier.arrive(q_free)
+        mbarrier.arrive(q_free.index(slot))
         local += 1
 
 
@@ -260,7 +274,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                       PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -272,18 +286,19 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BM, D], q_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_SLOTS * NUM_CONSUMERS, BM, D], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_free, count=NUM_CONSUMERS)
+    for i in gl.static_range(Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -297,61 +312,61 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     # constexprs into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
     if NUM_CONSUMERS == 3:
         gl.warp_specialize(
-            [(_fwd_consumer, (0, q_bufs.index(0), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+            [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
-             (_fwd_consumer, (1, q_bufs.index(1), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+             (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
-             (_fwd_consumer, (2, q_bufs.index(2), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+             (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                         total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K))],
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize(
-            [(_fwd_consumer, (0, q_bufs.index(0), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+            [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
-             (_fwd_consumer, (1, q_bufs.index(1), q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+             (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                         total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K))],
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -392,7 +407,8 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            cfg.pingpong, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
+            cfg.pingpong, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
+            cfg.q_slots if cfg.persistent else 1]
     return grid, args
 
 
