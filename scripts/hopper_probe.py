@@ -164,9 +164,44 @@ def tiles(args):
     return results
 
 
+def rounds(args):
+    """Forward variants timed in interleaved rounds in one process (the card's clock drifts
+    by a few percent over a minute: one variant after another would measure the drift):
+    ``--variants 'A;B;...'`` (each an override spec as ``--config``, '' = as dispatched),
+    ``--rounds`` rounds, median kept; cuDNN in the same rounds."""
+    import dataclasses
+    import statistics
+    base = dict(configs.SM90_HOPPER_FWD)
+    variants = args.variants.split(";")
+    cases = [c for c in SPEED_CASES if c[3] in args.headdims]
+    results = []
+    for (b, s, h, d) in cases:
+        for causal in ((False, True) if args.causal == "both" else (args.causal == "true",)):
+            times = {v: [] for v in variants + ["cudnn"]}
+            for _ in range(args.rounds):
+                for v in variants + ["cudnn"]:
+                    configs.SM90_HOPPER_FWD.update(base)
+                    if v != "cudnn":
+                        _apply_overrides(v)
+                        if d == 256 and "q_slots" in v:  # two Q slots do not fit at 256
+                            configs.SM90_HOPPER_FWD[d] = dataclasses.replace(configs.SM90_HOPPER_FWD[d], q_slots=1)
+                    try:
+                        times[v].append(_fwd_tflops(b, s, h, d, causal, "cudnn" if v == "cudnn" else "hopper"))
+                    except Exception as e:
+                        times[v].append(float("nan"))
+                        print(f"{v}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            configs.SM90_HOPPER_FWD.update(base)
+            row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal,
+                       **{(v or "dispatched"): round(statistics.median(t), 1) for v, t in times.items()},
+                       rounds={(v or "dispatched"): [round(x, 1) for x in t] for v, t in times.items()})
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["check", "speed", "tiles"])
+    ap.add_argument("part", choices=["check", "speed", "tiles", "rounds"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--config", default=os.environ.get("HOPPER_FWD_CONFIG", ""),
                     help="overrides for every SM90_HOPPER_FWD entry, e.g. pingpong=1,persistent=1")
@@ -176,6 +211,9 @@ def main():
     ap.add_argument("--tag", default="", help="appended to the output file name")
     ap.add_argument("--quick", action="store_true", help="check: bf16 and 9 of the cases")
     ap.add_argument("--impls", default="hopper,portable,cudnn", help="speed: these, in this order")
+    ap.add_argument("--variants", default=";persistent=1", help="rounds: override specs, ';'-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds: interleaved rounds per case")
+    ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
     args = ap.parse_args()
     t0 = time.time()
     res = globals()[args.part](args)
