@@ -4,7 +4,9 @@
 # Usage: bash scripts/ptx_equivalence.sh REF [PYTHON]
 # Prints, per kernel configuration: identical, "params-only" (the same instructions, kernel
 # parameters declared or numbered differently: added arguments the kernel does not read in
-# that configuration), or REAL (different instructions), and a summary line.
+# that configuration), "numbers-only" (the same instructions with other immediates, e.g.
+# shared-memory offsets after a buffer was declared differently: read the diff before
+# trusting it), or REAL (different instructions), and a summary line.
 set -u
 REF="$1"; PY="${2:-python3}"; TMP=$(mktemp -d)
 git worktree add -q "$TMP/ref" "$REF" || exit 1
@@ -14,13 +16,16 @@ for part in fwd bwd dq; do
   PYTHONPATH=. $PY -m triflash.kernels.hopper.compile_check $flag --dump "$TMP/b-$part" > /dev/null 2>&1
 done
 norm() { grep -v '^\s*\.param' "$1" | sed -E 's/_kernel_param_[0-9]+/P/g' | grep -v '^\s*$'; }
-same=0; params=0; real=0
+numbers() { norm "$1" | sed -E 's/[0-9]+/N/g'; }
+same=0; params=0; nums=0; real=0
 for a in "$TMP"/a-*/*.ptx; do
   part=$(basename "$(dirname "$a")"); part=${part#a-}; b="$TMP/b-$part/$(basename "$a")"
   if [ ! -f "$b" ]; then echo "missing $(basename "$a")"; real=$((real+1))
   elif diff -q -B "$a" "$b" > /dev/null; then echo "identical $(basename "$a")"; same=$((same+1))
   elif diff <(norm "$a") <(norm "$b") > /dev/null; then echo "params-only $(basename "$a")"; params=$((params+1))
+  elif diff <(numbers "$a") <(numbers "$b") > /dev/null; then
+    echo "numbers-only $(basename "$a") ($(diff <(norm "$a") <(norm "$b") | grep -c '^<') lines)"; nums=$((nums+1))
   else echo "REAL $(basename "$a")"; real=$((real+1)); fi
 done
-echo "vs $REF: $same identical, $params params-only, $real different"
+echo "vs $REF: $same identical, $params params-only, $nums numbers-only, $real different"
 git worktree remove --force "$TMP/ref"; rm -rf "$TMP"

@@ -133,6 +133,11 @@ def test_hopper_forward_compiles_for_sm90a():
     assert any(r.get("num_consumers") == 3 for r in rows)
     # flash_attn_with_kvcache's form (dense, seqused_k) is held to the dense budgets
     assert {r["headdim"] for r in rows if r.get("kvcache")} == set(configs.SM90_HOPPER_FWD)
+    # two Q slots (persistent CTAs) exactly where the dispatch asks for them: unmasked dense
+    # batches at the head dims whose tile says so (fwd.is_persistent)
+    assert {(r["headdim"], r["feature"], bool(r.get("varlen") or r.get("kvcache")))
+            for r in rows if r["q_slots"] == 2} == {
+        (d, "plain", False) for d, c in configs.SM90_HOPPER_FWD.items() if c.persistent_unmasked}
     for r in rows:
         if r.get("num_consumers") == 3:
             budget = HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_FWD_3WG_SPILL_BUDGET

@@ -90,3 +90,36 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
     assert {name for name, _ in grids} == set(names)
     for name, grid in grids:
         assert grid[0] < 2 ** 31 and all(axis <= 65535 for axis in grid[1:]), (name, grid)
+
+
+def test_forward_persistent_only_where_tiles_are_equal():
+    """The Hopper forward walks tiles with persistent CTAs (two Q slots) only on a dense batch
+    without causal / window mask and without seqused: elsewhere tiles differ in length and
+    one CTA per tile lets the hardware balance them."""
+    import dataclasses
+
+    import torch
+    fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
+    from triflash.kernels import configs
+    from triflash.kernels.hopper.common import Problem
+    from triflash.kernels.portable import AttnParams
+    q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
+    cfg = configs.SM90_HOPPER_FWD[128]
+    assert cfg.persistent_unmasked and cfg.q_slots == 2
+
+    def persistent(left=-1, right=-1, cfg=cfg, **seq):
+        p = AttnParams(0.1, left, right, 0.0, 300, 200)
+        return fwd.is_persistent(cfg, p, Problem(q, k, p, **seq))
+    assert persistent()
+    assert not persistent(right=0)                      # causal
+    assert not persistent(left=64) and not persistent(left=8, right=8)
+    assert not persistent(seqused_k=torch.full((2,), 100, dtype=torch.int32))  # KV cache form
+    qv, kv = q.flatten(0, 1), k.flatten(0, 1)
+    cu_q = torch.tensor([0, 300, 600], dtype=torch.int32)
+    cu_k = torch.tensor([0, 200, 400], dtype=torch.int32)
+    p = AttnParams(0.1, -1, -1, 0.0, 300, 200)
+    assert not fwd.is_persistent(cfg, p, Problem(qv, kv, p, cu_q, cu_k))  # varlen
+    off = dataclasses.replace(cfg, persistent_unmasked=False)
+    assert not persistent(cfg=off)
+    assert persistent(right=0, cfg=dataclasses.replace(off, persistent=True))  # forced

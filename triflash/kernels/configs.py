@@ -46,6 +46,8 @@ class HopperFwdConfig:
     num_consumers: int = 2
     pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
+    # persistent only where every tile has the same length (dense, no causal / window mask)
+    persistent_unmasked: bool = False
     # persistent only: Q tiles (each also the O staging of its tile) for this many tiles, so
     # the loader fetches the next tile's Q while this one runs (2: 2 x the Q shared memory)
     q_slots: int = 1
@@ -130,16 +132,24 @@ SM90_BWD = {
 #     128: 128 x 2 595/551 > 64 x 3-4 544/502; 256: 64 x 2 681/631 > 32 x 4 509/492
 #     (64 x 3 does not fit in shared memory).
 #   schedules (hopper-fwd-schedules-*.json, 8k tokens): pingpong helps at 128 (616/569 vs
-#     601/563) and 256 causal (657 vs 650), not at 64; the persistent loop did not pay at 8k
-#     and was erratic at 1k, so it stays off.
+#     601/563) and 256 causal (657 vs 650), not at 64; the persistent loop (one Q slot) did
+#     not pay at 8k and was erratic at 1k.
 #   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
 #     probes/hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
 #     against two consumers' 415.2/406.2 (cuDNN 465.5/439.7 in the same process); 64 keys x 4
 #     447.1/402.8. Through the GPU probe's check at 49d2a7c (16 of 16 cases, probes/
 #     hopper-fwd64-check_3wg-49d2a7c.json) at 453.0/424.1 (cuDNN 450.5/424.9); dispatched since.
+#   persistent CTAs with two Q slots for unmasked dense batches (three interleaved rounds,
+#     non-causal, probes/probe-rounds-fwd-persistent-13394e9.json): 128 at 2x8192x16 609.3
+#     -> 620.4 (one Q slot 614.3), 16x1024x16 498.5 -> 551.1, 1x16384x16 617.4 -> 619.9; 64
+#     460.8 -> 470.6 (hopper-fwd-check-persistent-qslots2-8c638d0.json: 18 of 18). Not
+#     at 256 (no room for a second Q slot; one slot: seed 673.1 -> 665.2), not under causal
+#     or window masks (2x8192x16x128 causal 560.3 -> 532.5 one process earlier: the static
+#     tile-to-CTA assignment cannot balance tiles of different lengths as the hardware does).
 SM90_HOPPER_FWD = {
-    64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160),
-    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True),
+    64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
+                        persistent_unmasked=True, q_slots=2),
+    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True, q_slots=2),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True),
 }
 

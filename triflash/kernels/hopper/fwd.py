@@ -398,7 +398,8 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     num_m_blocks = ceil_div(pb.seqlen_q, bm * cfg.num_consumers)
     num_tiles = num_m_blocks * pb.nheads * pb.batch
     # persistent: one CTA per SM walks tiles tile, tile + grid, ...; else one CTA per tile
-    grid = (min(num_tiles, num_sms) if cfg.persistent else num_tiles,)
+    persistent = is_persistent(cfg, params, pb)
+    grid = (min(num_tiles, num_sms) if persistent else num_tiles,)
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q4, bm), descriptor(k4, cfg.block_n), descriptor(v4, cfg.block_n),
             descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
@@ -408,15 +409,25 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
-            cfg.q_slots if cfg.persistent else 1]
+            cfg.q_slots if persistent else 1]
     return grid, args
+
+
+def is_persistent(cfg, params, pb) -> bool:
+    """One CTA per SM walking the tiles (``cfg.persistent``; ``cfg.persistent_unmasked``: only
+    where every tile has the same length, a dense batch without causal / window mask and
+    without seqused: the static tile-to-CTA assignment has nothing to balance there)."""
+    if cfg.persistent:
+        return True
+    return (cfg.persistent_unmasked and not pb.varlen and not any(pb.seq_flags)
+            and params.window_left < 0 and params.window_right < 0)
 
 
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
         seqused_k=None):
     """Forward into ``out`` and ``lse`` (layouts: ``kernel_args``)."""
     grid, args = kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
-                             seqused_q, seqused_k, _num_sms(q.device) if cfg.persistent else 0)
+                             seqused_q, seqused_k, _num_sms(q.device))
     if grid[0] > 0:
         hopper_fwd_kernel[grid](*args, num_warps=4)
     return out, lse
