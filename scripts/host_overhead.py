@@ -96,6 +96,36 @@ def breakdown():
     do = torch.randn_like(o)
     rows["bwd autograd.grad"] = _time(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
                                       True, n=100)[0]
+    # the backward's layers: the Hopper host code without autograd, its statistics kernel,
+    # and autograd's own cost around a backward that launches nothing
+    from triflash.kernels.hopper import bwd as HB
+    from triflash.kernels.hopper.common import Problem
+    with torch.no_grad():
+        o2, lse2 = triflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    bcfg = configs.SM90_HOPPER_BWD[d]
+    pb = Problem(qd, kd, params)
+    extra = {
+        "bwd hopper.bwd": lambda: HB.bwd(do, qd, kd, vd, o2, lse2, params, False, bcfg),
+        "bwd stats": lambda: HB.stats(pb, o2, do, lse2),
+        "bwd 3 x torch.empty": lambda: [torch.empty(qd.shape, dtype=qd.dtype, device="cuda") for _ in range(3)],
+    }
+
+    class _Nothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y, z):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g, g
+    x0 = _Nothing.apply(q, k, v)
+    extra["autograd.grad, empty backward"] = lambda: torch.autograd.grad(x0, (q, k, v), do, retain_graph=True)
+    for name, fn in extra.items():
+        try:
+            rows[name] = _time(fn, True, n=100)[0]
+        except Exception as e:
+            rows[name] = f"{type(e).__name__}: {str(e)[:200]}"
     return dict(shape=[b, s, h, d], causal=True, host_ms=rows)
 
 
