@@ -17,7 +17,10 @@ through ``flash_attn_varlen_func`` as equal-length packed sequences, ``"varlen":
 (compiled FlexAttention), ``fa2``, ``fa3``, ``fa4`` (Dao-AILab packages), and on the CPU
 ``sdpa-math``. A peer that does not import, or fails on its first case, is skipped with the
 reason in ``meta.peers_skipped``; a peer that cannot express a case (SDPA: windows, causal
-with seqlen_q != seqlen_k) gets rows with ``"note": "skipped: <reason>"``.
+with seqlen_q != seqlen_k) gets rows with ``"note": "skipped: <reason>"``. ``--isolate``
+(default on CUDA: fa2, fa3, fa4) loads, checks and times a peer in a worker process of its
+own on the parent's tensors (``bench/isolate.py``), so that what its import does to a
+process (host time per torch call) falls on no other implementation.
 
 Without CUDA the same command runs tiny cases on the CPU under Triton's interpreter
 (re-running itself with TRITON_INTERPRET=1, which must be set before the kernels are
@@ -46,7 +49,8 @@ JSON schema (``--out``, default ``bench-results.json``)::
         "preset": str, "interpreter": bool, "argv": [str],
         "timing": {"warmup_ms": int, "rep_ms": int, "return_mode": "median",
                    "rounds": int,           # --rounds: interleaved timings per impl and case
-                   "fwd_autograd": bool},   # false with --inference-fwd (fwd under no_grad)
+                   "fwd_autograd": bool,    # false with --inference-fwd (fwd under no_grad)
+                   "isolated": [str]},      # impls measured in worker processes (--isolate)
         "tflops_convention": str,
         "complete": bool        # false while the run is in progress: the file is rewritten
                                 # after every case, so a run cut short keeps what it measured

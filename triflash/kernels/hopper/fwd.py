@@ -16,6 +16,10 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   ``common.n_block_range`` decides which is which, as in the portable kernels.
 * epilogue: O / l into the consumer's own Q tile (no longer needed), TMA store (rows past
   the sequence are clipped by the descriptor), LSE with plain stores.
+* persistent (``is_persistent``: the tile's ``persistent``, or ``persistent_unmasked`` on a
+  dense batch without causal / window mask): one CTA per SM walks tiles tile, tile + grid,
+  ...; the K/V ring runs on across tiles, and with ``Q_SLOTS`` = 2 the Q tiles (each its
+  tile's O staging) alternate, so the next tile's Q loads while this one runs.
 
 Descriptors are rank 4 over (batch, seqlen, heads, dim) with blocks (1, rows, 1, dim), so
 any strides with a contiguous last dim work without copies and TMA zero-fills and clips at
