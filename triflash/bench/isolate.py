@@ -82,7 +82,6 @@ class Isolated:
         self.name, self.device = name, device
         self._twin = make_impl(name)
         self.devices = self._twin.devices
-        self.isolated = True
         self._proc = self._version = None
 
     def load(self):
