@@ -133,11 +133,18 @@ def test_hopper_forward_compiles_for_sm90a():
     assert any(r.get("num_consumers") == 3 for r in rows)
     # flash_attn_with_kvcache's form (dense, seqused_k) is held to the dense budgets
     assert {r["headdim"] for r in rows if r.get("kvcache")} == set(configs.SM90_HOPPER_FWD)
-    # two Q slots (persistent CTAs) exactly where the dispatch asks for them: unmasked dense
-    # batches at the head dims whose tile says so (fwd.is_persistent)
+    # persistent CTAs (with the tile's Q slots) exactly where the dispatch asks for them
+    # (fwd.walk): dense batches, unmasked at the head dims whose tile says persistent_unmasked,
+    # causal / window on the host's schedule where it says persistent_masked
+    tiles = configs.SM90_HOPPER_FWD
     assert {(r["headdim"], r["feature"], bool(r.get("varlen") or r.get("kvcache")))
-            for r in rows if r["q_slots"] == 2} == {
-        (d, "plain", False) for d, c in configs.SM90_HOPPER_FWD.items() if c.persistent_unmasked}
+            for r in rows if r["q_slots"] == 2} == (
+        {(d, "plain", False) for d, c in tiles.items() if c.persistent_unmasked and c.q_slots == 2}
+        | {(d, f, False) for d, c in tiles.items() if c.persistent_masked and c.q_slots == 2
+           for f in ("causal", "window-softcap")})
+    assert {(r["headdim"], r["feature"]) for r in rows if r["scheduled"]} == {
+        (d, f) for d, c in tiles.items() if c.persistent_masked for f in ("causal", "window-softcap")}
+    assert not any(r["scheduled"] and (r.get("varlen") or r.get("kvcache")) for r in rows)
     for r in rows:
         if r.get("num_consumers") == 3:
             budget = HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_FWD_3WG_SPILL_BUDGET

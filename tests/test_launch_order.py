@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from triflash.kernels.common import L2_SECTION_BYTES, launch_order, section_heads
+from triflash.kernels.common import (L2_SECTION_BYTES, TILE_OVERHEAD_BLOCKS, launch_order, n_block_range,
+                                     persistent_schedule, section_heads, visited_key_blocks)
 
 
 @triton.jit
@@ -92,10 +93,13 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
         assert grid[0] < 2 ** 31 and all(axis <= 65535 for axis in grid[1:]), (name, grid)
 
 
-def test_forward_persistent_only_where_tiles_are_equal():
-    """The Hopper forward walks tiles with persistent CTAs (two Q slots) only on a dense batch
-    without causal / window mask and without seqused: elsewhere tiles differ in length and
-    one CTA per tile lets the hardware balance them."""
+def test_forward_walks():
+    """How the Hopper forward's CTAs take their tiles (``fwd.walk``): one persistent CTA per SM
+    walking tile, tile + grid, ... (two Q slots) on a dense batch without causal / window
+    mask and seqused (every tile the same length); under a causal / window mask on a dense
+    batch, persistent CTAs on the host's longest-first schedule where the tile says
+    ``persistent_masked``; everywhere else (varlen, seqused, too many tiles) one CTA per
+    tile, which the hardware balances."""
     import dataclasses
 
     import torch
@@ -105,21 +109,97 @@ def test_forward_persistent_only_where_tiles_are_equal():
     from triflash.kernels.portable import AttnParams
     q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
-    cfg = configs.SM90_HOPPER_FWD[128]
-    assert cfg.persistent_unmasked and cfg.q_slots == 2
+    base = dataclasses.replace(configs.SM90_HOPPER_FWD[128], persistent=False,
+                               persistent_unmasked=True, persistent_masked=False)
 
-    def persistent(left=-1, right=-1, cfg=cfg, **seq):
+    def how(left=-1, right=-1, cfg=base, tiles=12, **seq):
         p = AttnParams(0.1, left, right, 0.0, 300, 200)
-        return fwd.is_persistent(cfg, p, Problem(q, k, p, **seq))
-    assert persistent()
-    assert not persistent(right=0)                      # causal
-    assert not persistent(left=64) and not persistent(left=8, right=8)
-    assert not persistent(seqused_k=torch.full((2,), 100, dtype=torch.int32))  # KV cache form
+        return fwd.walk(cfg, p, Problem(q, k, p, **seq), tiles)
+    assert how() == "strided"
+    assert how(right=0) == "grid"                       # causal
+    assert how(left=64) == how(left=8, right=8) == "grid"
+    assert how(seqused_k=torch.full((2,), 100, dtype=torch.int32)) == "grid"  # KV cache form
+    masked = dataclasses.replace(base, persistent_masked=True)
+    assert how(right=0, cfg=masked) == how(left=64, cfg=masked) == "scheduled"
+    assert how(cfg=masked) == "strided"
+    assert how(right=0, cfg=masked, tiles=fwd.SCHEDULE_MAX_TILES + 1) == "grid"
+    assert how(right=0, cfg=masked, seqused_q=torch.full((2,), 100, dtype=torch.int32)) == "grid"
     qv, kv = q.flatten(0, 1), k.flatten(0, 1)
     cu_q = torch.tensor([0, 300, 600], dtype=torch.int32)
     cu_k = torch.tensor([0, 200, 400], dtype=torch.int32)
-    p = AttnParams(0.1, -1, -1, 0.0, 300, 200)
-    assert not fwd.is_persistent(cfg, p, Problem(qv, kv, p, cu_q, cu_k))  # varlen
-    off = dataclasses.replace(cfg, persistent_unmasked=False)
-    assert not persistent(cfg=off)
-    assert persistent(right=0, cfg=dataclasses.replace(off, persistent=True))  # forced
+    for left, right in ((-1, -1), (-1, 0)):
+        p = AttnParams(0.1, left, right, 0.0, 300, 200)
+        assert fwd.walk(masked, p, Problem(qv, kv, p, cu_q, cu_k), 12) == "grid"  # varlen
+    off = dataclasses.replace(base, persistent_unmasked=False)
+    assert how(cfg=off) == "grid"
+    assert how(right=0, cfg=dataclasses.replace(off, persistent=True)) == "strided"  # forced
+    # the launch: a persistent grid of at most one CTA per SM, and the schedule only when used
+    out = torch.empty_like(q)
+    lse = torch.empty(2, 4, 300)
+    for cfg, right, grid, scheduled in ((base, 0, 2 * 4 * 3, False), (masked, 0, 5, True),
+                                        (masked, -1, 5, False)):
+        p = AttnParams(0.1, -1, right, 0.0, 300, 200)
+        g, args = fwd.kernel_args(q, k, k, out, lse, p, cfg, num_sms=5)
+        assert g == (grid,) and args[-1] is scheduled
+        sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
+        assert len(sched) == int(scheduled)
+        if scheduled:
+            walks = sched[0].tolist()
+            assert len(walks) == 5 + 1 + 2 * 4 * 3 and walks[5] == 2 * 4 * 3
+
+
+@triton.jit
+def _visited_kernel(OUT, m_block, len_q, len_k, left, right, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    n_min, _, _, n_max = n_block_range(m_block, len_q, len_k, left, right, BLOCK_M, BLOCK_N,
+                                       HAS_LEFT, HAS_RIGHT)
+    tl.store(OUT, n_max - n_min)
+
+
+def test_visited_key_blocks_matches_the_kernels():
+    """The host's count of visited key blocks (what the persistent schedule costs a tile by)
+    equals ``n_block_range``'s, for causal, windows, seqlen_q != seqlen_k and tails."""
+    import random
+    rng = random.Random(0)
+    out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    cases = [(m, lq, lk, left, right, bm, bn)
+             for (lq, lk) in ((300, 200), (200, 300), (128, 128), (1, 777))
+             for (left, right) in ((-1, -1), (-1, 0), (64, 0), (5, 17), (0, -1))
+             for (bm, bn) in ((128, 128), (192, 64))
+             for m in range(-(-lq // bm))]
+    for case in rng.sample(cases, 40):
+        m, lq, lk, left, right, bm, bn = case
+        _visited_kernel[(1,)](out, m, lq, lk, left, right, bm, bn, left >= 0, right >= 0)
+        assert int(out.item()) == visited_key_blocks(*case), case
+
+
+@pytest.mark.parametrize("num_bh,num_m,sec,ctas", [(36, 64, 4, 132), (3, 5, 3, 4), (8, 16, 8, 132),
+                                                    (32, 8, 16, 132), (7, 1, 7, 3)])
+@pytest.mark.parametrize("window", [(-1, 0), (256, 0), (-1, -1)])
+def test_persistent_schedule(num_bh, num_m, sec, ctas, window):
+    """The persistent forward's schedule: every tile of the launch exactly once, each CTA's
+    tiles in launch order, and loads balanced as a greedy longest-first list schedule
+    guarantees (no CTA more than one tile over the average), where round-robin is not."""
+    bm, bn, s = 128, 128, num_m * 128 - 37
+    ctas = min(ctas, num_bh * num_m)
+    flat = persistent_schedule(num_bh, num_m, sec, s, s, *window, bm, bn, ctas)
+    offsets, tiles = flat[:ctas + 1], flat[ctas + 1:]
+    assert offsets[0] == 0 and list(offsets) == sorted(offsets) and offsets[-1] == len(tiles)
+    assert sorted(tiles) == list(range(num_bh * num_m))
+    per_section = sec * num_m
+
+    def cost(t):
+        rank = (t % per_section) // sec
+        return visited_key_blocks(num_m - 1 - rank, s, s, *window, bm, bn) + TILE_OVERHEAD_BLOCKS
+    loads = []
+    for p in range(ctas):
+        walk = tiles[offsets[p]:offsets[p + 1]]
+        assert list(walk) == sorted(walk)
+        loads.append(sum(cost(t) for t in walk))
+    biggest = max(cost(t) for t in tiles)
+    assert max(loads) <= sum(loads) / ctas + biggest
+    if window == (-1, -1):  # equal tiles: as even as round-robin
+        assert max(loads) - min(loads) <= biggest
+    elif (num_bh, num_m) == (36, 64) and window == (-1, 0):  # the seed causal: round-robin breaks it
+        rr = [sum(cost(t) for t in range(p, num_bh * num_m, ctas)) for p in range(ctas)]
+        assert max(rr) > sum(rr) / ctas + biggest

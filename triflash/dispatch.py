@@ -9,8 +9,9 @@
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
                  (dense or varlen batches, headdim == headdim_v in {64, 128, 256},
                  TMA-aligned strides, seqlen_k > 0); persistent CTAs with two Q slots
-                 where every tile has the same length and the tile says so
-                 (hopper.fwd.is_persistent: 64 / 128, dense, no causal / window mask)
+                 on dense batches where the tile says so (hopper.fwd.walk: without
+                 causal / window mask at 64 / 128, tile after tile; under one, on the
+                 host's longest-first schedule where the tile says persistent_masked)
               otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
               KV cache with cache_batch_idx / cache_leftpad / page table, or varlen q
                  (run_fwd_cache)                -> portable forward on every target

@@ -12,12 +12,16 @@
   a program computes: query-block launches (forward, dQ) longest first, a few heads at a
   time; the others (sections of one head) one head's blocks after another. Every launch
   is one-dimensional: CUDA's grid axes y and z stop at 65535, and batch * heads does not.
+* ``persistent_schedule``: the same tiles handed out to a fixed number of persistent CTAs
+  as the hardware hands them to CTAs of a one-tile-per-CTA launch (the next tile in launch
+  order to the CTA that frees up first), costed by ``visited_key_blocks``.
 
 Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
 query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
 negative ``left``/``right`` means unbounded and causal is ``right = 0``.
 """
 import functools
+import heapq
 
 import triton
 import triton.language as tl
@@ -89,6 +93,55 @@ def launch_order(tile, num_blocks, section_heads):
     rank = within // section_heads
     bh = section * section_heads + (within - rank * section_heads)
     return bh, rank
+
+
+def visited_key_blocks(m_block: int, len_q: int, len_k: int, window_left: int, window_right: int,
+                       block_m: int, block_n: int) -> int:
+    """Host twin of ``n_block_range``'s n_max - n_min: how many key blocks query block
+    ``m_block`` visits (negative window sizes: unbounded)."""
+    shift = len_k - len_q
+    row_lo = m_block * block_m
+    n_max = ceil_div(len_k, block_n)
+    n_min = 0
+    if window_right >= 0:
+        col_end = min(row_lo + block_m - 1 + shift + window_right + 1, len_k)
+        n_max = max(ceil_div(max(col_end, 0), block_n), 0)
+    if window_left >= 0:
+        n_min = max(row_lo + shift - window_left, 0) // block_n
+    return n_max - min(n_min, n_max)
+
+
+# A tile's fixed cost (Q load, O store, pipeline fill) in key blocks, for the schedule
+TILE_OVERHEAD_BLOCKS = 1
+
+
+def persistent_schedule(num_bh: int, num_m_blocks: int, section_heads: int, len_q: int, len_k: int,
+                        window_left: int, window_right: int, block_m: int, block_n: int,
+                        num_ctas: int) -> tuple:
+    """Tiles of a query-block launch (``launch_order``: tile t is rank (t mod
+    section_heads * num_m_blocks) // section_heads of its section) for ``num_ctas``
+    persistent CTAs, as a one-tile-per-CTA launch would run them: in launch order, each tile
+    to the CTA whose tiles so far cost least (``visited_key_blocks`` +
+    ``TILE_OVERHEAD_BLOCKS``; ties to the lower CTA). Longest first, so the last tiles are
+    short and the CTAs finish together; a static round-robin instead leaves a CTA with
+    every round's longest tile (15-25% over the average on causal launches).
+
+    Returns (offsets..., tiles...): CTA p walks tiles[offsets[p]:offsets[p + 1]] in order,
+    offsets has ``num_ctas`` + 1 entries, tiles every tile exactly once."""
+    cost = [visited_key_blocks(num_m_blocks - 1 - rank, len_q, len_k, window_left, window_right,
+                               block_m, block_n) + TILE_OVERHEAD_BLOCKS
+            for rank in range(num_m_blocks)]
+    per_section = section_heads * num_m_blocks
+    free_at = [(0, p) for p in range(num_ctas)]
+    walks = [[] for _ in range(num_ctas)]
+    for tile in range(num_bh * num_m_blocks):
+        t, p = free_at[0]
+        heapq.heapreplace(free_at, (t + cost[(tile % per_section) // section_heads], p))
+        walks[p].append(tile)
+    offsets = [0]
+    for w in walks:
+        offsets.append(offsets[-1] + len(w))
+    return tuple(offsets) + tuple(t for w in walks for t in w)
 
 
 @triton.jit

@@ -48,6 +48,9 @@ class HopperFwdConfig:
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
+    # persistent under a causal / window mask too (dense batches), the tiles handed out by the
+    # host's longest-first schedule (common.persistent_schedule)
+    persistent_masked: bool = False
     # persistent only: Q tiles (each also the O staging of its tile) for this many tiles, so
     # the loader fetches the next tile's Q while this one runs (2: 2 x the Q shared memory)
     q_slots: int = 1

@@ -109,7 +109,7 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers,
-               q_slots=args[-1])
+               q_slots=args[-2], scheduled=args[-1])
     if varlen:
         row["varlen"] = True
     if kvcache:

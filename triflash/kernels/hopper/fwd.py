@@ -16,10 +16,13 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   ``common.n_block_range`` decides which is which, as in the portable kernels.
 * epilogue: O / l into the consumer's own Q tile (no longer needed), TMA store (rows past
   the sequence are clipped by the descriptor), LSE with plain stores.
-* persistent (``is_persistent``: the tile's ``persistent``, or ``persistent_unmasked`` on a
-  dense batch without causal / window mask): one CTA per SM walks tiles tile, tile + grid,
-  ...; the K/V ring runs on across tiles, and with ``Q_SLOTS`` = 2 the Q tiles (each its
-  tile's O staging) alternate, so the next tile's Q loads while this one runs.
+* persistent (``walk``): one CTA per SM walks tiles, on a dense batch without causal /
+  window mask tile, tile + grid, ... (``persistent`` / ``persistent_unmasked``: every tile
+  the same length), under a mask the host's longest-first schedule
+  (``persistent_masked``, ``common.persistent_schedule``: each tile to the CTA that would
+  free up first, as the hardware does for one CTA per tile); the K/V ring runs on across
+  tiles, and with ``Q_SLOTS`` = 2 the Q tiles (each its tile's O staging) alternate, so the
+  next tile's Q loads while this one runs.
 
 Descriptors are rank 4 over (batch, seqlen, heads, dim) with blocks (1, rows, 1, dim), so
 any strides with a contiguous last dim work without copies and TMA zero-fills and clips at
@@ -35,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import ceil_div, scores, visible
+from ..common import ceil_div, persistent_schedule, scores, visible
 from .common import Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
@@ -45,14 +48,17 @@ ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 k_ready, v_ready, k_free, v_free,
                 num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
                 NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr):
+                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
+                SCHEDULED: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     kv_base = 0
     local = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
+    for walk in range(first, end, step):
+        tile = _tile_at(walk, SCHED, SCHEDULED)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
          n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
             tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
@@ -84,6 +90,32 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                                             v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
         kv_base += count
         local += 1
+
+
+@gluon.jit
+def _tile_walk(num_tiles, SCHED, SCHEDULED: gl.constexpr):
+    """(first, end, step) of this CTA's walk over the tiles: tile, tile + grid, ... (one CTA
+    per tile when the grid covers them all), or with ``SCHEDULED`` positions
+    [SCHED[cta], SCHED[cta + 1]) of the host's schedule (``common.persistent_schedule``)."""
+    if SCHEDULED:
+        first = gl.load(SCHED + gl.program_id(0))
+        end = gl.load(SCHED + gl.program_id(0) + 1)
+        step = 1
+    else:
+        first = gl.program_id(0)
+        end = num_tiles
+        step = gl.num_programs(0)
+    return first, end, step
+
+
+@gluon.jit
+def _tile_at(walk, SCHED, SCHEDULED: gl.constexpr):
+    """The tile at position ``walk`` of ``_tile_walk``."""
+    if SCHEDULED:
+        tile = gl.load(SCHED + gl.num_programs(0) + 1 + walk)
+    else:
+        tile = walk
+    return tile
 
 
 @gluon.jit
@@ -179,12 +211,13 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
                   v_free, turns, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
                   num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr):
+                  HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
+                SCHEDULED: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -197,7 +230,9 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
     kv_base = 0
     turn = 0
     local = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
+    for walk in range(first, end, step):
+        tile = _tile_at(walk, SCHED, SCHEDULED)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
          n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
             tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
@@ -272,13 +307,14 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       LSE, stride_lseb, stride_lseh, stride_lsem,
                       nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks, section_heads,
-                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                       qk_scale, softcap_log2, window_left, window_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                       PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
+                      SCHEDULED: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -320,32 +356,32 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS))],
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize(
@@ -353,24 +389,24 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS))],
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -401,30 +437,61 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     bm = ROWS_PER_CONSUMER
     num_m_blocks = ceil_div(pb.seqlen_q, bm * cfg.num_consumers)
     num_tiles = num_m_blocks * pb.nheads * pb.batch
-    # persistent: one CTA per SM walks tiles tile, tile + grid, ...; else one CTA per tile
-    persistent = is_persistent(cfg, params, pb)
-    grid = (min(num_tiles, num_sms) if persistent else num_tiles,)
+    sections = pb.section_heads(k, v, params)
+    how = walk(cfg, params, pb, num_tiles)
+    # "grid": one CTA per tile; else one CTA per SM walking tiles (_tile_walk)
+    grid = (num_tiles if how == "grid" else min(num_tiles, num_sms),)
+    sched = None
+    if how == "scheduled":
+        sched = _schedule(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q, pb.seqlen_k,
+                                     params.window_left, params.window_right, bm * cfg.num_consumers,
+                                     cfg.block_n, grid[0]))
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q4, bm), descriptor(k4, cfg.block_n), descriptor(v4, cfg.block_n),
             descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_tiles, num_m_blocks,
-            pb.section_heads(k, v, params), *pb.seq_args,
+            sections, *pb.seq_args, sched,
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
-            cfg.q_slots if persistent else 1]
+            1 if how == "grid" else cfg.q_slots, how == "scheduled"]
     return grid, args
 
 
-def is_persistent(cfg, params, pb) -> bool:
-    """One CTA per SM walking the tiles (``cfg.persistent``; ``cfg.persistent_unmasked``: only
-    where every tile has the same length, a dense batch without causal / window mask and
-    without seqused: the static tile-to-CTA assignment has nothing to balance there)."""
-    if cfg.persistent:
-        return True
-    return (cfg.persistent_unmasked and not pb.varlen and not any(pb.seq_flags)
-            and params.window_left < 0 and params.window_right < 0)
+# Tiles above which a masked launch keeps one CTA per tile (the schedule is built in Python,
+# about a microsecond a tile, once per shape)
+SCHEDULE_MAX_TILES = 1 << 15
+
+
+def walk(cfg, params, pb, num_tiles) -> str:
+    """How the forward's CTAs take their tiles: "grid", one CTA per tile (the hardware starts
+    the next tile on whichever SM frees up); "strided", one persistent CTA per SM walking
+    tile, tile + grid, ... (``cfg.persistent``; ``cfg.persistent_unmasked``: where every tile
+    has the same length, a dense batch without causal / window mask and without seqused);
+    "scheduled", persistent CTAs walking the host's longest-first schedule
+    (``cfg.persistent_masked``: a dense batch under a causal / window mask)."""
+    dense = not any(pb.seq_flags)  # (varlen, seqused_q, seqused_k)
+    masked = params.window_left >= 0 or params.window_right >= 0
+    if cfg.persistent or (cfg.persistent_unmasked and dense and not masked):
+        return "strided"
+    if cfg.persistent_masked and dense and masked and num_tiles <= SCHEDULE_MAX_TILES:
+        return "scheduled"
+    return "grid"
+
+
+_SCHEDULES = {}
+
+
+def _schedule(device, key):
+    """``common.persistent_schedule(*key)`` as an int32 tensor on ``device`` (kept per shape)."""
+    t = _SCHEDULES.get((device, key))
+    if t is None:
+        if len(_SCHEDULES) >= 64:
+            _SCHEDULES.clear()
+        t = torch.tensor(persistent_schedule(*key), dtype=torch.int32, device=device)
+        _SCHEDULES[(device, key)] = t
+    return t
 
 
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
