@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from triflash.kernels.common import (L2_SECTION_BYTES, TILE_OVERHEAD_BLOCKS, launch_order, n_block_range,
+from triflash.kernels.common import (L2_SECTION_BYTES, launch_order, n_block_range,
                                      persistent_schedule, section_heads, visited_key_blocks)
 
 
@@ -176,13 +176,14 @@ def test_visited_key_blocks_matches_the_kernels():
 @pytest.mark.parametrize("num_bh,num_m,sec,ctas", [(36, 64, 4, 132), (3, 5, 3, 4), (8, 16, 8, 132),
                                                     (32, 8, 16, 132), (7, 1, 7, 3)])
 @pytest.mark.parametrize("window", [(-1, 0), (256, 0), (-1, -1)])
-def test_persistent_schedule(num_bh, num_m, sec, ctas, window):
+@pytest.mark.parametrize("overhead", [1, 3])
+def test_persistent_schedule(num_bh, num_m, sec, ctas, window, overhead):
     """The persistent forward's schedule: every tile of the launch exactly once, each CTA's
     tiles in launch order, and loads balanced as a greedy longest-first list schedule
     guarantees (no CTA more than one tile over the average), where round-robin is not."""
     bm, bn, s = 128, 128, num_m * 128 - 37
     ctas = min(ctas, num_bh * num_m)
-    flat = persistent_schedule(num_bh, num_m, sec, s, s, *window, bm, bn, ctas)
+    flat = persistent_schedule(num_bh, num_m, sec, s, s, *window, bm, bn, ctas, overhead)
     offsets, tiles = flat[:ctas + 1], flat[ctas + 1:]
     assert offsets[0] == 0 and list(offsets) == sorted(offsets) and offsets[-1] == len(tiles)
     assert sorted(tiles) == list(range(num_bh * num_m))
@@ -190,7 +191,7 @@ def test_persistent_schedule(num_bh, num_m, sec, ctas, window):
 
     def cost(t):
         rank = (t % per_section) // sec
-        return visited_key_blocks(num_m - 1 - rank, s, s, *window, bm, bn) + TILE_OVERHEAD_BLOCKS
+        return visited_key_blocks(num_m - 1 - rank, s, s, *window, bm, bn) + overhead
     loads = []
     for p in range(ctas):
         walk = tiles[offsets[p]:offsets[p + 1]]

@@ -111,25 +111,21 @@ def visited_key_blocks(m_block: int, len_q: int, len_k: int, window_left: int, w
     return n_max - min(n_min, n_max)
 
 
-# A tile's fixed cost (Q load, O store, pipeline fill) in key blocks, for the schedule
-TILE_OVERHEAD_BLOCKS = 1
-
-
 def persistent_schedule(num_bh: int, num_m_blocks: int, section_heads: int, len_q: int, len_k: int,
                         window_left: int, window_right: int, block_m: int, block_n: int,
-                        num_ctas: int) -> tuple:
+                        num_ctas: int, overhead: int = 1) -> tuple:
     """Tiles of a query-block launch (``launch_order``: tile t is rank (t mod
     section_heads * num_m_blocks) // section_heads of its section) for ``num_ctas``
     persistent CTAs, as a one-tile-per-CTA launch would run them: in launch order, each tile
-    to the CTA whose tiles so far cost least (``visited_key_blocks`` +
-    ``TILE_OVERHEAD_BLOCKS``; ties to the lower CTA). Longest first, so the last tiles are
+    to the CTA whose tiles so far cost least (``visited_key_blocks`` + ``overhead``, a
+    tile's fixed cost in key blocks: Q load, O store, pipeline fill; ties to the lower CTA). Longest first, so the last tiles are
     short and the CTAs finish together; a static round-robin instead leaves a CTA with
     every round's longest tile (15-25% over the average on causal launches).
 
     Returns (offsets..., tiles...): CTA p walks tiles[offsets[p]:offsets[p + 1]] in order,
     offsets has ``num_ctas`` + 1 entries, tiles every tile exactly once."""
     cost = [visited_key_blocks(num_m_blocks - 1 - rank, len_q, len_k, window_left, window_right,
-                               block_m, block_n) + TILE_OVERHEAD_BLOCKS
+                               block_m, block_n) + overhead
             for rank in range(num_m_blocks)]
     per_section = section_heads * num_m_blocks
     free_at = [(0, p) for p in range(num_ctas)]

@@ -51,6 +51,9 @@ class HopperFwdConfig:
     # persistent under a causal / window mask too (dense batches), the tiles handed out by the
     # host's longest-first schedule (common.persistent_schedule)
     persistent_masked: bool = False
+    # that schedule's estimate of a tile's fixed cost (Q load, O store, pipeline fill) in key
+    # blocks: tiles of a few blocks each (1k tokens) weigh it many times per CTA
+    schedule_overhead: int = 1
     # persistent only: Q tiles (each also the O staging of its tile) for this many tiles, so
     # the loader fetches the next tile's Q while this one runs (2: 2 x the Q shared memory)
     q_slots: int = 1

@@ -445,7 +445,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     if how == "scheduled":
         sched = _schedule(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q, pb.seqlen_k,
                                      params.window_left, params.window_right, bm * cfg.num_consumers,
-                                     cfg.block_n, grid[0]))
+                                     cfg.block_n, grid[0], cfg.schedule_overhead))
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q4, bm), descriptor(k4, cfg.block_n), descriptor(v4, cfg.block_n),
             descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
