@@ -173,7 +173,8 @@ def rounds(args):
     import statistics
     base = dict(configs.SM90_HOPPER_FWD)
     variants = args.variants.split(";")
-    cases = [c for c in SPEED_CASES if c[3] in args.headdims]
+    cases = ([tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")] if args.cases
+             else [c for c in SPEED_CASES if c[3] in args.headdims])
     results = []
     for (b, s, h, d) in cases:
         for causal in ((False, True) if args.causal == "both" else (args.causal == "true",)):
@@ -214,6 +215,7 @@ def main():
     ap.add_argument("--variants", default=";persistent=1", help="rounds: override specs, ';'-separated")
     ap.add_argument("--rounds", type=int, default=3, help="rounds: interleaved rounds per case")
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    ap.add_argument("--cases", default="", help="rounds: BxSxHxD,... instead of SPEED_CASES")
     args = ap.parse_args()
     t0 = time.time()
     res = globals()[args.part](args)
