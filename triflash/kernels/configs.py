@@ -152,11 +152,21 @@ SM90_BWD = {
 #     at 256 (no room for a second Q slot; one slot: seed 673.1 -> 665.2), not under causal
 #     or window masks (2x8192x16x128 causal 560.3 -> 532.5 one process earlier: the static
 #     tile-to-CTA assignment cannot balance tiles of different lengths as the hardware does).
+#   persistent CTAs under causal / window masks on the host's longest-first schedule
+#     (persistent_masked, common.persistent_schedule; causal, three interleaved rounds,
+#     probes/probe-rounds_pm-*.json): 128 2x8192x16 570.1 -> 591.1, 576.5 -> 592.3, 563.6 ->
+#     585.3; 4x4096x16 512.6 -> 536.4; 8x2048x16 453.3 -> 482.9; 16x1024x16 358.7 -> 338.7,
+#     355.7 -> 281.6, 349.4 -> 398.6 (host-bound, noisy); 64 2x8192x32 425.1 -> 432.1,
+#     418.1 -> 431.0; 256 seed 639.5 -> 636.5, 623.4 -> 630.7, 2x8192x8 602.1 -> 621.9,
+#     8x2048x8 521.7 -> 527.4, 4x4096x8 578.8 -> 590.0, 1x16384x8 630.7 -> 634.0. One Q
+#     slot at 128 is below two (472.5 / 520.9 / 576.8 at 2k / 4k / 8k); schedule_overhead 3
+#     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
-                        persistent_unmasked=True, q_slots=2),
-    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True, q_slots=2),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True),
+                        persistent_unmasked=True, persistent_masked=True, q_slots=2),
+    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
+                         persistent_masked=True, q_slots=2),
+    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True),
 }
 
 # Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).
