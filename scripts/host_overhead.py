@@ -39,7 +39,7 @@ def _mock_sm90():
                       (bwd, "bwd_stats_kernel"), (bwd_dq, "hopper_dq_kernel"),
                       (bwd256, "hopper_bwd256_kernel")):
         setattr(mod, name, _NoLaunch())
-    fwd._num_sms = lambda device: 132  # the H200's count (no CUDA here)
+    fwd.num_sms = bwd_dq.num_sms = lambda device: 132  # the H200's count (no CUDA here)
     dispatch.target_of = lambda device: "sm90"
     validation.check_device = lambda *tensors: None
 

@@ -204,3 +204,40 @@ def test_persistent_schedule(num_bh, num_m, sec, ctas, window, overhead):
     elif (num_bh, num_m) == (36, 64) and window == (-1, 0):  # the seed causal: round-robin breaks it
         rr = [sum(cost(t) for t in range(p, num_bh * num_m, ctas)) for p in range(ctas)]
         assert max(rr) > sum(rr) / ctas + biggest
+
+
+def test_dq_kernel_walks():
+    """The Gluon dQ kernel's launch (``bwd_dq.kernel_args``): one CTA per tile unless the tile
+    says ``dq_persistent``; then on a dense batch one CTA per SM, tile after tile without a
+    mask, the host's schedule under a causal / window mask; varlen keeps one CTA per tile."""
+    import torch
+    bwd_dq = pytest.importorskip("triflash.kernels.hopper.bwd_dq")
+    from triflash.kernels.hopper.common import Problem
+    from triflash.kernels.portable import AttnParams
+    b, s, h, hk, d = 2, 300, 4, 2, 128
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
+    k = torch.empty(b, s, hk, d, dtype=torch.bfloat16)
+    stat = torch.empty(b, h, 320)
+    tiles = b * h * 3  # 128-row tiles of 300 rows
+
+    def launch(right=-1, persistent=True, varlen=False):
+        p = AttnParams(0.1, -1, right, 0.0, s, s)
+        if varlen:
+            cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
+            qv, kv = q.flatten(0, 1), k.flatten(0, 1)
+            pb = Problem(qv, kv, p, cu, cu)
+            qv, kv = pb.view(qv), pb.view(kv)
+            return bwd_dq.kernel_args(pb, qv, kv, kv, qv, qv, stat, stat, p, 64, 2, persistent=persistent,
+                                      num_sms=5)
+        return bwd_dq.kernel_args(Problem(q, k, p), q, k, k, q, q, stat, stat, p, 64, 2,
+                                  persistent=persistent, num_sms=5)
+    for right, persistent, varlen, grid, flags in ((-1, False, False, tiles, (False, False)),
+                                                   (0, False, False, tiles, (False, False)),
+                                                   (-1, True, False, 5, (True, False)),
+                                                   (0, True, False, 5, (True, True)),
+                                                   (0, True, True, tiles, (False, False))):
+        g, args = launch(right, persistent, varlen)
+        assert g == (grid,) and tuple(args[-2:]) == flags, (right, persistent, varlen)
+        sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32
+                 and a.dim() == 1 and a.numel() == 5 + 1 + tiles]
+        assert len(sched) == int(flags[1])

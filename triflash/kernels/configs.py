@@ -81,6 +81,11 @@ class HopperBwdConfig:
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
+    # the Gluon dQ kernel on persistent CTAs (dense batches): tile after tile without a mask,
+    # the host's longest-first schedule under one (as the forward's persistent_masked); the
+    # next tile's K/V load under this one's, its Q / dO after this one's dQ stores. Built in
+    # session 10, compiled for sm_90a, not yet run on the H200: not dispatched.
+    dq_persistent: bool = False
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False

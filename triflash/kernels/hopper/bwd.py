@@ -535,7 +535,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
-                          cfg.dq_stages)
+                          cfg.dq_stages, cfg.dq_persistent)
             if dq_out is not dq:
                 dq.copy_(dq_out)
             return _finish(dq, dk, dk_out, dv, dv_out)

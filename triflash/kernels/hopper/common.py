@@ -11,7 +11,8 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
-from ..common import launch_order, launch_sections, m_block_range, n_block_range, seqlen_info
+from ..common import (launch_order, launch_sections, m_block_range, n_block_range, persistent_schedule,
+                      seqlen_info)
 
 
 @gluon.constexpr_function
@@ -82,6 +83,57 @@ def _seq_query_tile(tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen
         tma_batch = batch
     return (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, m_block * BLOCK_M,
             n_min, n_full_min, n_full_max, n_max)
+
+
+@gluon.jit
+def _tile_walk(num_tiles, SCHED, SCHEDULED: gl.constexpr):
+    """(first, end, step) of this CTA's walk over the tiles: tile, tile + grid, ... (one CTA
+    per tile when the grid covers them all), or with ``SCHEDULED`` positions
+    [SCHED[cta], SCHED[cta + 1]) of the host's schedule (``common.persistent_schedule``)."""
+    if SCHEDULED:
+        first = gl.load(SCHED + gl.program_id(0))
+        end = gl.load(SCHED + gl.program_id(0) + 1)
+        step = 1
+    else:
+        first = gl.program_id(0)
+        end = num_tiles
+        step = gl.num_programs(0)
+    return first, end, step
+
+
+@gluon.jit
+def _tile_at(walk, SCHED, SCHEDULED: gl.constexpr):
+    """The tile at position ``walk`` of ``_tile_walk``."""
+    if SCHEDULED:
+        tile = gl.load(SCHED + gl.num_programs(0) + 1 + walk)
+    else:
+        tile = walk
+    return tile
+
+
+# Tiles above which a masked launch keeps one CTA per tile (the schedule is built in Python,
+# about a microsecond a tile, once per shape)
+SCHEDULE_MAX_TILES = 1 << 15
+_SCHEDULES = {}
+_NUM_SMS = {}
+
+
+def num_sms(device) -> int:
+    """The SM count of ``device`` (a persistent launch's grid), looked up once."""
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
+def schedule_table(device, key):
+    """``common.persistent_schedule(*key)`` as an int32 tensor on ``device`` (kept per shape)."""
+    t = _SCHEDULES.get((device, key))
+    if t is None:
+        if len(_SCHEDULES) >= 64:
+            _SCHEDULES.clear()
+        t = torch.tensor(persistent_schedule(*key), dtype=torch.int32, device=device)
+        _SCHEDULES[(device, key)] = t
+    return t
 
 
 @triton.jit

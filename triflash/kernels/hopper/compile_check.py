@@ -144,14 +144,15 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False) -> dict:
+               varlen: bool = False, persistent: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring; ``varlen``: packed sequences."""
+    ``stages``-deep ring; ``varlen``: packed sequences; ``persistent``: on persistent CTAs
+    (``HopperBwdConfig.dq_persistent``)."""
     from . import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, persistent=persistent)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
-               block_n=block_n, stages=stages)
+               block_n=block_n, stages=stages, persistent=args[-2], scheduled=args[-1])
     if varlen:
         row["varlen"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
@@ -182,7 +183,7 @@ def all_dq(dtypes=("bf16", "fp16")):
     dense in both dtypes and varlen in bf16."""
     from .. import configs
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
-    return ([compile_dq(d, dt, f, c.dq_block_n, c.dq_stages) for d, c in tiles
+    return ([compile_dq(d, dt, f, c.dq_block_n, c.dq_stages, persistent=c.dq_persistent) for d, c in tiles
              for dt in dtypes for f in FEATURES]
             + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=True) for d, c in tiles
                for f in FEATURES])

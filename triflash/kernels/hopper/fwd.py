@@ -38,8 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import ceil_div, persistent_schedule, scores, visible
-from .common import Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor
+from ..common import ceil_div, scores, visible
+from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at,
+                     _tile_walk, _tma_view, descriptor, num_sms, schedule_table)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -90,32 +91,6 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                                             v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
         kv_base += count
         local += 1
-
-
-@gluon.jit
-def _tile_walk(num_tiles, SCHED, SCHEDULED: gl.constexpr):
-    """(first, end, step) of this CTA's walk over the tiles: tile, tile + grid, ... (one CTA
-    per tile when the grid covers them all), or with ``SCHEDULED`` positions
-    [SCHED[cta], SCHED[cta + 1]) of the host's schedule (``common.persistent_schedule``)."""
-    if SCHEDULED:
-        first = gl.load(SCHED + gl.program_id(0))
-        end = gl.load(SCHED + gl.program_id(0) + 1)
-        step = 1
-    else:
-        first = gl.program_id(0)
-        end = num_tiles
-        step = gl.num_programs(0)
-    return first, end, step
-
-
-@gluon.jit
-def _tile_at(walk, SCHED, SCHEDULED: gl.constexpr):
-    """The tile at position ``walk`` of ``_tile_walk``."""
-    if SCHEDULED:
-        tile = gl.load(SCHED + gl.num_programs(0) + 1 + walk)
-    else:
-        tile = walk
-    return tile
 
 
 @gluon.jit
@@ -418,14 +393,6 @@ HEAD_DIMS = (64, 128, 256)
 VARLEN = True
 
 
-_NUM_SMS = {}
-
-
-def _num_sms(device) -> int:
-    if device not in _NUM_SMS:
-        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS[device]
-
 
 def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None,
                 seqused_q=None, seqused_k=None, num_sms=132):
@@ -443,7 +410,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     grid = (num_tiles if how == "grid" else min(num_tiles, num_sms),)
     sched = None
     if how == "scheduled":
-        sched = _schedule(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q, pb.seqlen_k,
+        sched = schedule_table(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q, pb.seqlen_k,
                                      params.window_left, params.window_right, bm * cfg.num_consumers,
                                      cfg.block_n, grid[0], cfg.schedule_overhead))
     qk_scale, softcap_log2 = params.score_constants()
@@ -457,11 +424,6 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             cfg.pingpong, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled"]
     return grid, args
-
-
-# Tiles above which a masked launch keeps one CTA per tile (the schedule is built in Python,
-# about a microsecond a tile, once per shape)
-SCHEDULE_MAX_TILES = 1 << 15
 
 
 def walk(cfg, params, pb, num_tiles) -> str:
@@ -480,25 +442,12 @@ def walk(cfg, params, pb, num_tiles) -> str:
     return "grid"
 
 
-_SCHEDULES = {}
-
-
-def _schedule(device, key):
-    """``common.persistent_schedule(*key)`` as an int32 tensor on ``device`` (kept per shape)."""
-    t = _SCHEDULES.get((device, key))
-    if t is None:
-        if len(_SCHEDULES) >= 64:
-            _SCHEDULES.clear()
-        t = torch.tensor(persistent_schedule(*key), dtype=torch.int32, device=device)
-        _SCHEDULES[(device, key)] = t
-    return t
-
 
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
         seqused_k=None):
     """Forward into ``out`` and ``lse`` (layouts: ``kernel_args``)."""
     grid, args = kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
-                             seqused_q, seqused_k, _num_sms(q.device))
+                             seqused_q, seqused_k, num_sms(q.device))
     if grid[0] > 0:
         hopper_fwd_kernel[grid](*args, num_warps=4)
     return out, lse
