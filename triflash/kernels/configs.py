@@ -86,6 +86,11 @@ class HopperBwdConfig:
     # next tile's K/V load under this one's, its Q / dO after this one's dQ stores. Built in
     # session 10, compiled for sm_90a, not yet run on the H200: not dispatched.
     dq_persistent: bool = False
+    # Head dim 256 (hopper/bwd256.py) only: the dK/dV kernel on persistent CTAs walking key
+    # tiles the same way (common.key_tile_schedule under a mask); dK / dV leave from
+    # registers, so the next tile's K / V load while they are stored and the Q / dO ring runs
+    # on. Built in session 10, compiled for sm_90a, not yet run on the H200: not dispatched.
+    dkdv_persistent: bool = False
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
