@@ -25,7 +25,7 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   no shared tile is ever sliced.
 
 Persistent (``kernel_args(persistent=True)``, ``HopperBwdConfig.dkdv_persistent``; dense
-batches): one CTA per SM walks key tiles (``_key_tile_of``: tile after tile, or the host's
+batches): one CTA per SM walks key tiles (``_walk_key_tile``: tile after tile, or the host's
 ``common.key_tile_schedule`` under a causal / window mask). dK / dV leave from registers, so
 each consumer arrives on ``kv_free`` after its last wgmma reading K / V and the loader brings
 the next tile's K / V while they are stored; the Q / dO ring and the exchange phases run on
@@ -276,13 +276,20 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 
 
 @gluon.jit
-def _key_tile_of(walk, num_n_blocks, nheads_kv, SCHED, SCHEDULED: gl.constexpr):
-    """(key block, KV head, batch) of position ``walk`` of a persistent CTA's walk: tile t is
-    key block t mod num_n_blocks of (batch, KV head) t // num_n_blocks, the order of the
-    (key blocks, KV heads, batch) grid of one CTA per tile."""
+def _walk_key_tile(walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                   CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, SCHEDULED: gl.constexpr):
+    """``common._key_tile_at`` of position ``walk`` of a persistent CTA's walk: tile t is key
+    block t mod num_n_blocks of (batch, KV head) t // num_n_blocks, the order of the (key
+    blocks, KV heads, batch) grid of one CTA per tile."""
     tile = _tile_at(walk, SCHED, SCHEDULED)
     rest = tile // num_n_blocks
-    return tile - rest * num_n_blocks, rest % nheads_kv, rest // nheads_kv
+    return _key_tile_at(tile - rest * num_n_blocks, rest % nheads_kv, rest // nheads_kv, nheads, nheads_kv,
+                        seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K)
 
 
 @gluon.jit
@@ -302,12 +309,11 @@ def _wg_scores_walk(k_bufs, v_bufs, kv_bar, kv_free, q_ring, do_ring, lse_ring, 
     it_base = 0
     local = 0
     for walk in range(first, end, step):
-        n_block, head_kv, batch = _key_tile_of(walk, num_n_blocks, nheads_kv, SCHED, SCHEDULED)
         (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-         m_min, m_full_min, m_full_max, m_max) = _key_tile_at(
-            n_block, head_kv, batch, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+         m_min, m_full_min, m_full_max, m_max) = _walk_key_tile(
+            walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
             CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT,
-            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)
         it_base = _wg_scores_tile(
             k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
             pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
@@ -334,12 +340,11 @@ def _wg_dprobs_walk(k_bufs, v_bufs, kv_bar, kv_free, q_ring, do_ring, delta_ring
     it_base = 0
     local = 0
     for walk in range(first, end, step):
-        n_block, head_kv, batch = _key_tile_of(walk, num_n_blocks, nheads_kv, SCHED, SCHEDULED)
         (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-         m_min, m_full_min, m_full_max, m_max) = _key_tile_at(
-            n_block, head_kv, batch, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+         m_min, m_full_min, m_full_max, m_max) = _walk_key_tile(
+            walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
             CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT,
-            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)
         it_base = _wg_dprobs_tile(
             k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
             pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
@@ -365,12 +370,11 @@ def _loader_walk(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, 
     it_base = 0
     local = 0
     for walk in range(first, end, step):
-        n_block, head_kv, batch = _key_tile_of(walk, num_n_blocks, nheads_kv, SCHED, SCHEDULED)
         (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-         m_min, m_full_min, m_full_max, m_max) = _key_tile_at(
-            n_block, head_kv, batch, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+         m_min, m_full_min, m_full_max, m_max) = _walk_key_tile(
+            walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
             CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT,
-            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)
         it_base = _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                                  kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                                  tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
