@@ -1,8 +1,9 @@
 """H200 probe of the draft Hopper (Gluon) backward, triflash/kernels/hopper/bwd.py: gradients
 against the fp32 reference, then backward speed beside the portable backward and SDPA-cuDNN.
 
-    python scripts/hopper_bwd_probe.py check|speed [--out DIR] [--deterministic]
+    python scripts/hopper_bwd_probe.py check|speed|rounds [--out DIR] [--deterministic]
                                        [--config stages=3,atomic_dq=1,...]
+    python scripts/hopper_bwd_probe.py rounds --headdims 256 [--variants ';dq_persistent=1']
 
 Run each part in its own process under `timeout` (a deadlocked kernel must not eat the
 device call), e.g. `timeout 900 python scripts/hopper_bwd_probe.py check --out /tmp/p`.
@@ -36,11 +37,12 @@ def _params(q, k, causal, window, softcap):
     return AttnParams(q.shape[-1] ** -0.5, left, right, softcap, q.shape[1], k.shape[1])
 
 
-def _cfg(args, d):
+def _cfg(args, d, spec=None):
+    """The dispatched tile at head dim ``d`` with ``spec`` (default ``--config``) applied."""
     import dataclasses
     from triflash.kernels import configs
     cfg = configs.SM90_HOPPER_BWD[d]
-    for item in filter(None, (args.config or "").split(",")):
+    for item in filter(None, (args.config if spec is None else spec).split(",")):
         key, _, val = item.partition("=")
         cfg = dataclasses.replace(cfg, **{key: type(getattr(cfg, key))(int(val))})
     return cfg
@@ -142,9 +144,39 @@ def speed(args):
     return results
 
 
+def rounds(args):
+    """Backward variants timed in interleaved rounds in one process (the card's clock drifts by
+    a few percent within a minute): ``--variants 'A;B;...'`` (each a ``--config`` spec, ''
+    = the dispatched tile), ``--rounds`` rounds, median kept; cuDNN in the same rounds."""
+    import statistics
+    variants = args.variants.split(";")
+    cases = ([tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")] if args.cases
+             else [c for c in SPEED_CASES if c[3] in args.headdims])
+    results = []
+    for (b, s, h, d) in cases:
+        for causal in ((False, True) if args.causal == "both" else (args.causal == "true",)):
+            flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            times = {v: [] for v in variants + ["cudnn"]}
+            for _ in range(args.rounds):
+                for v in times:
+                    try:
+                        ms = (_bwd_ms(b, s, h, d, causal, "cudnn", False) if v == "cudnn" else
+                              _bwd_ms(b, s, h, d, causal, "hopper", args.deterministic, _cfg(args, d, v)))
+                        times[v].append(flops / ms / 1e9)
+                    except Exception as e:  # report, keep going
+                        times[v].append(float("nan"))
+                        print(f"{v}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal, deterministic=args.deterministic,
+                       **{(v or "dispatched"): round(statistics.median(t), 1) for v, t in times.items()},
+                       rounds={(v or "dispatched"): [round(x, 1) for x in t] for v, t in times.items()})
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["check", "speed"])
+    ap.add_argument("part", choices=["check", "speed", "rounds"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--config", default="", help="HopperBwdConfig fields to change, k=v,...")
@@ -152,6 +184,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="check: bf16 and 8 of the cases")
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128],
                     help="head dims (64, 128, 256)")
+    ap.add_argument("--variants", default=";dq_persistent=1;dkdv_persistent=1;dq_persistent=1,dkdv_persistent=1",
+                    help="rounds: --config specs, ';'-separated ('' = the dispatched tile)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds: interleaved rounds per case")
+    ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    ap.add_argument("--cases", default="", help="rounds: BxSxHxD,... instead of SPEED_CASES")
+    ap.add_argument("--tag", default="", help="appended to the output file name")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -159,7 +197,7 @@ def main():
     suffix = ("-d" + "-".join(map(str, args.headdims)) if args.headdims != [64, 128] else "") + (
         "-det" if args.deterministic else "") + (
         "-" + args.config.replace("=", "").replace(",", "-") if args.config else "")
-    with open(os.path.join(args.out, f"bwd-probe-{args.part}{suffix}.json"), "w") as f:
+    with open(os.path.join(args.out, f"bwd-probe-{args.part}{suffix}{args.tag}.json"), "w") as f:
         json.dump(dict(part=args.part, gpu=torch.cuda.get_device_name(), seconds=time.time() - t0,
                        deterministic=args.deterministic, results=res), f, indent=1)
 
