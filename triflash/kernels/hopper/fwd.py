@@ -32,7 +32,6 @@ sequence's end are masked like a dense tail, and O leaves by masked stores (a bo
 into the next sequence). Not covered (dispatch falls back to the portable kernels): head
 dims other than 64/128/256, headdim_v != headdim.
 """
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
