@@ -27,7 +27,7 @@ import triflash  # noqa: E402
 from triflash import testing  # noqa: E402
 from triflash.kernels.portable import AttnParams  # noqa: E402
 
-from hopper_probe import CHECK_CASES, _bench  # noqa: E402  (scripts/ is sys.path[0])
+from hopper_probe import CHECK_CASES, _bench, round_cases  # noqa: E402  (scripts/ is sys.path[0])
 
 
 def _params(q, k, causal, window, softcap):
@@ -150,10 +150,8 @@ def rounds(args):
     = the dispatched tile), ``--rounds`` rounds, median kept; cuDNN in the same rounds."""
     import statistics
     variants = args.variants.split(";")
-    cases = ([tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")] if args.cases
-             else [c for c in SPEED_CASES if c[3] in args.headdims])
     results = []
-    for (b, s, h, d) in cases:
+    for (b, s, h, d) in round_cases(args, SPEED_CASES):
         for causal in ((False, True) if args.causal == "both" else (args.causal == "true",)):
             flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
             times = {v: [] for v in variants + ["cudnn"]}

@@ -164,6 +164,14 @@ def tiles(args):
     return results
 
 
+def round_cases(args, default):
+    """The shapes of a ``rounds`` part: ``--cases`` (BxSxHxD,...), else ``default`` at
+    ``--headdims`` (shared by scripts/hopper_bwd_probe.py)."""
+    if args.cases:
+        return [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    return [c for c in default if c[3] in args.headdims]
+
+
 def rounds(args):
     """Forward variants timed in interleaved rounds in one process (the card's clock drifts
     by a few percent over a minute: one variant after another would measure the drift):
@@ -173,10 +181,8 @@ def rounds(args):
     import statistics
     base = dict(configs.SM90_HOPPER_FWD)
     variants = args.variants.split(";")
-    cases = ([tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")] if args.cases
-             else [c for c in SPEED_CASES if c[3] in args.headdims])
     results = []
-    for (b, s, h, d) in cases:
+    for (b, s, h, d) in round_cases(args, SPEED_CASES):
         for causal in ((False, True) if args.causal == "both" else (args.causal == "true",)):
             times = {v: [] for v in variants + ["cudnn"]}
             for _ in range(args.rounds):

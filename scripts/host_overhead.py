@@ -31,6 +31,7 @@ def _mock_sm90():
     """CPU tensors through the sm90 dispatch, launches replaced by no-ops."""
     from triflash import dispatch, validation
     from triflash.kernels.hopper import bwd, bwd256, bwd_dq, fwd
+    from triflash.kernels.hopper import common as hopper_common
 
     class _NoLaunch:
         def __getitem__(self, grid):
@@ -39,7 +40,7 @@ def _mock_sm90():
                       (bwd, "bwd_stats_kernel"), (bwd_dq, "hopper_dq_kernel"),
                       (bwd256, "hopper_bwd256_kernel")):
         setattr(mod, name, _NoLaunch())
-    fwd.num_sms = bwd_dq.num_sms = lambda device: 132  # the H200's count (no CUDA here)
+    hopper_common._NUM_SMS[torch.device("cpu")] = 132  # the H200's count (no CUDA here)
     dispatch.target_of = lambda device: "sm90"
     validation.check_device = lambda *tensors: None
 

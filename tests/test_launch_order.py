@@ -106,7 +106,7 @@ def test_forward_walks():
     import torch
     fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
     from triflash.kernels import configs
-    from triflash.kernels.hopper.common import Problem
+    from triflash.kernels.hopper.common import SCHEDULE_MAX_TILES, Problem
     from triflash.kernels.portable import AttnParams
     q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
@@ -123,7 +123,7 @@ def test_forward_walks():
     masked = dataclasses.replace(base, persistent_masked=True)
     assert how(right=0, cfg=masked) == how(left=64, cfg=masked) == "scheduled"
     assert how(cfg=masked) == "strided"
-    assert how(right=0, cfg=masked, tiles=fwd.SCHEDULE_MAX_TILES + 1) == "grid"
+    assert how(right=0, cfg=masked, tiles=SCHEDULE_MAX_TILES + 1) == "grid"
     assert how(right=0, cfg=masked, seqused_q=torch.full((2,), 100, dtype=torch.int32)) == "grid"
     qv, kv = q.flatten(0, 1), k.flatten(0, 1)
     cu_q = torch.tensor([0, 300, 600], dtype=torch.int32)

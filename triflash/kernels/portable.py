@@ -50,6 +50,11 @@ class AttnParams:
     max_seqlen_q: int
     max_seqlen_k: int
 
+    @property
+    def masked(self) -> bool:
+        """A causal or sliding-window mask: query blocks visit different numbers of key blocks."""
+        return self.window_left >= 0 or self.window_right >= 0
+
     def score_constants(self):
         """(qk_scale, softcap_log2) as ``common.scores`` expects them."""
         if self.softcap > 0.0:

@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, key_tile_schedule, tanh
 from .bwd import _bwd_load_tile, _bwd_loader, _loader_barriers
-from .common import (SCHEDULE_MAX_TILES, _acc_layout, _key_tile, _key_tile_at, _tile_at, _tile_walk, descriptor,
-                     num_sms, schedule_table, stat_descriptor)
+from .common import (_acc_layout, _key_tile, _key_tile_at, _tile_at, _tile_walk, descriptor, num_sms,
+                     persistent_walk, schedule_table, stat_descriptor)
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
@@ -495,9 +495,10 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1
     assert d == 2 * HALF and v.shape[-1] == d, "head dim 256 only"
     num_n_blocks = ceil_div(pb.seqlen_k, BLOCK_N)
     num_tiles = num_n_blocks * pb.nheads_kv * pb.batch
-    persistent = persistent and not any(pb.seq_flags) and num_tiles <= SCHEDULE_MAX_TILES
+    how = persistent_walk(persistent, persistent, pb, params, num_tiles)
+    persistent = how != "grid"
     sched = None
-    if persistent and (params.window_left >= 0 or params.window_right >= 0):
+    if how == "scheduled":
         sched = schedule_table(q.device, (pb.batch * pb.nheads_kv, num_n_blocks, pb.nheads // pb.nheads_kv,
                                           pb.seqlen_q, pb.seqlen_k, params.window_left, params.window_right,
                                           BLOCK_M, BLOCK_N, min(num_tiles, num_sms)), key_tile_schedule)

@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh, visible
-from .common import (SCHEDULE_MAX_TILES, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk,
-                     _tma_view, descriptor, num_sms, schedule_table, stat_row0)
+from .common import (_acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view, descriptor,
+                     num_sms, persistent_walk, schedule_table, stat_row0)
 
 ROWS_PER_CONSUMER = 64
 
@@ -308,11 +308,11 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
     num_m_blocks = ceil_div(pb.seqlen_q, bm * num_consumers)
     num_tiles = num_m_blocks * pb.nheads * pb.batch
     sections = pb.section_heads(k, v, params)
-    persistent = persistent and not any(pb.seq_flags) and num_tiles <= SCHEDULE_MAX_TILES
-    masked = params.window_left >= 0 or params.window_right >= 0
+    how = persistent_walk(persistent, persistent, pb, params, num_tiles)
+    persistent = how != "grid"
     grid = (min(num_tiles, num_sms),) if persistent else (num_tiles,)
     sched = None
-    if persistent and masked:
+    if how == "scheduled":
         sched = schedule_table(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q,
                                           pb.seqlen_k, params.window_left, params.window_right,
                                           bm * num_consumers, block_n, grid[0]))

@@ -38,8 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, scores, visible
-from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at,
-                     _tile_walk, _tma_view, descriptor, num_sms, schedule_table)
+from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
+                     descriptor, num_sms, persistent_walk, schedule_table)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -426,20 +426,12 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
 
 
 def walk(cfg, params, pb, num_tiles) -> str:
-    """How the forward's CTAs take their tiles: "grid", one CTA per tile (the hardware starts
-    the next tile on whichever SM frees up); "strided", one persistent CTA per SM walking
-    tile, tile + grid, ... (``cfg.persistent``; ``cfg.persistent_unmasked``: where every tile
-    has the same length, a dense batch without causal / window mask and without seqused);
-    "scheduled", persistent CTAs walking the host's longest-first schedule
-    (``cfg.persistent_masked``: a dense batch under a causal / window mask)."""
-    dense = not any(pb.seq_flags)  # (varlen, seqused_q, seqused_k)
-    masked = params.window_left >= 0 or params.window_right >= 0
-    if cfg.persistent or (cfg.persistent_unmasked and dense and not masked):
+    """How the forward's CTAs take their tiles (``common.persistent_walk``): "strided" where
+    the tile says ``persistent`` (forced, probes) or, without a mask, ``persistent_unmasked``;
+    "scheduled" under a causal / window mask where it says ``persistent_masked``."""
+    if cfg.persistent:
         return "strided"
-    if cfg.persistent_masked and dense and masked and num_tiles <= SCHEDULE_MAX_TILES:
-        return "scheduled"
-    return "grid"
-
+    return persistent_walk(cfg.persistent_unmasked, cfg.persistent_masked, pb, params, num_tiles)
 
 
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
