@@ -57,7 +57,8 @@ def check(args):
     from triflash.kernels.hopper import bwd as hbwd
     torch.manual_seed(0)
     results = []
-    cases = [CHECK_CASES[i] for i in QUICK] if args.quick else CHECK_CASES
+    pick = [int(i) for i in args.pick.split(",")] if args.pick else (QUICK if args.quick else None)
+    cases = CHECK_CASES if pick is None else [CHECK_CASES[i] for i in pick]
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
     for d in args.headdims:
         for dtype in dtypes:
@@ -180,6 +181,7 @@ def main():
     ap.add_argument("--config", default="", help="HopperBwdConfig fields to change, k=v,...")
     ap.add_argument("--impls", default="hopper,portable,cudnn")
     ap.add_argument("--quick", action="store_true", help="check: bf16 and 8 of the cases")
+    ap.add_argument("--pick", default="", help="check: these CHECK_CASES indices (i,j,...)")
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128],
                     help="head dims (64, 128, 256)")
     ap.add_argument("--variants", default=";dq_persistent=1;dkdv_persistent=1;dq_persistent=1,dkdv_persistent=1",

@@ -67,6 +67,7 @@ def breakdown():
     """{layer: host ms per call} of the forward's layers and the backward (sm90 GPU)."""
     from triflash import dispatch
     from triflash.kernels import configs, portable
+    from triflash.kernels.hopper import common as hopper_common
     from triflash.kernels.hopper import fwd as H
     b, s, h, d = 16, 1024, 16, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -87,6 +88,8 @@ def breakdown():
         # the CompiledKernel's own launcher (no argument binding / specialization); it wants
         # a 3-tuple grid (at bb86392 a 1-tuple made this row an IndexError)
         "fwd compiled launch": lambda: compiled[(grid[0], 1, 1)](*kargs),
+        # hopper.common.launch on a repeat: the key, then the compiled kernel's launcher
+        "fwd common.launch": lambda: hopper_common.launch(H.hopper_fwd_kernel, grid, kargs),
     }
     rows = {}
     for name, fn in layers.items():

@@ -149,6 +149,36 @@ def test_forward_walks():
             assert len(walks) == 5 + 1 + 2 * 4 * 3 and walks[5] == 2 * 4 * 3
 
 
+def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
+    """A stream capturing a CUDA graph cannot copy a new schedule to the device:
+    ``schedule_table`` answers None there and the launches fall back to one CTA per tile; a
+    table the capture does read is kept beyond the cache's clearing (replays read it)."""
+    fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import common as hc
+    from triflash.kernels.portable import AttnParams
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(hc, "_SCHEDULES", {})
+    monkeypatch.setattr(hc, "_CAPTURED_SCHEDULES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert hc.schedule_table(cuda, (1, 2, 3)) is None and not hc._SCHEDULES
+    table = torch.zeros(3, dtype=torch.int32)
+    hc._SCHEDULES[(cuda, hc.persistent_schedule, (1, 2, 3))] = table
+    assert hc.schedule_table(cuda, (1, 2, 3)) is table
+    hc._SCHEDULES.clear()
+    assert list(hc._CAPTURED_SCHEDULES.values()) == [table]
+    # the forward's launch without a table: one CTA per tile, one Q slot, no schedule
+    q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
+    cfg = configs.SM90_HOPPER_FWD[128]
+    assert cfg.persistent_masked
+    p = AttnParams(0.1, -1, 0, 0.0, 300, 200)
+    monkeypatch.setattr(fwd, "schedule_table", lambda *a, **kw: None)
+    g, args = fwd.kernel_args(q, k, k, torch.empty_like(q), torch.empty(2, 4, 300), p, cfg, num_sms=5)
+    assert g == (2 * 4 * -(-300 // (64 * cfg.num_consumers)),) and args[-1] is False and args[-2] == 1
+    assert not [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
+
+
 @triton.jit
 def _visited_kernel(OUT, m_block, len_q, len_k, left, right, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):

@@ -66,8 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
-from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, stat_descriptor, stat_row0,
-                     stat_rows, tma_compatible, tma_reduce_add)
+from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, launch, stat_descriptor,
+                     stat_row0, stat_rows, tma_compatible, tma_reduce_add)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -494,12 +494,11 @@ def stats(pb, out, dout, lse):
     stat = torch.empty(shape, dtype=torch.float32, device=out.device)
     delta = torch.empty(shape, dtype=torch.float32, device=out.device)
     o4, do4 = pb.view(out), pb.view(dout)
-    bwd_stats_kernel[(ceil_div(pb.seqlen_q, BLOCK_M) * pb.batch * pb.nheads,)](
+    launch(bwd_stats_kernel, (ceil_div(pb.seqlen_q, BLOCK_M) * pb.batch * pb.nheads,), [
         o4, do4, lse, stat, delta, o4.stride(0), o4.stride(1), o4.stride(2),
         do4.stride(0), do4.stride(1), do4.stride(2), *pb.lse_strides(lse),
         stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.total_q, pb.cu_q, pb.used_q,
-        HEADDIM_V=out.shape[-1], BLOCK_M=BLOCK_M, IS_VARLEN=pb.varlen, HAS_SEQUSED_Q=pb.has_used_q,
-    )
+        out.shape[-1], BLOCK_M, pb.varlen, pb.has_used_q])  # HEADDIM_V, BLOCK_M, IS_VARLEN, HAS_SEQUSED_Q
     return stat, delta
 
 
@@ -544,13 +543,12 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         atomic_dq = False
     elif atomic_dq:
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum,
-                                              params, cfg, True), num_warps=4)
+        launch(hopper_bwd_kernel, grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta,
+                                                     dq_accum, params, cfg, True))
         _scale_into(dq, dq_accum, params.softmax_scale)
     else:
-        hopper_bwd_kernel[grid](*_kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta,
-                                              _unused_dq_accum(q.device, d), params, cfg, False),
-                                num_warps=4)
+        launch(hopper_bwd_kernel, grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta,
+                                                     _unused_dq_accum(q.device, d), params, cfg, False))
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
@@ -577,7 +575,7 @@ def _scale_into(dq, dq_accum, scale):
     """dq = dq_accum * scale in dq's dtype: one pass where dq is contiguous."""
     if dq.is_contiguous():
         n = dq.numel()
-        _scale_cast_kernel[(triton.cdiv(n, 4096),)](dq_accum, dq, n, scale, BLOCK=4096, num_warps=8)
+        launch(_scale_cast_kernel, (triton.cdiv(n, 4096),), [dq_accum, dq, n, scale, 4096], num_warps=8)
     else:
         dq.copy_(dq_accum.mul_(scale))
 

@@ -48,6 +48,7 @@ from ..common import ceil_div, key_tile_schedule, tanh
 from .bwd import _bwd_load_tile, _bwd_loader, _loader_barriers
 from .common import (_acc_layout, _key_tile, _key_tile_at, _tile_at, _tile_walk, descriptor, num_sms,
                      persistent_walk, schedule_table, stat_descriptor)
+from .common import launch as launch_kernel
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
@@ -496,12 +497,13 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1
     num_n_blocks = ceil_div(pb.seqlen_k, BLOCK_N)
     num_tiles = num_n_blocks * pb.nheads_kv * pb.batch
     how = persistent_walk(persistent, persistent, pb, params, num_tiles)
-    persistent = how != "grid"
     sched = None
     if how == "scheduled":
         sched = schedule_table(q.device, (pb.batch * pb.nheads_kv, num_n_blocks, pb.nheads // pb.nheads_kv,
                                           pb.seqlen_q, pb.seqlen_k, params.window_left, params.window_right,
                                           BLOCK_M, BLOCK_N, min(num_tiles, num_sms)), key_tile_schedule)
+        how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
+    persistent = how != "grid"
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, BLOCK_M, HALF), descriptor(k, BLOCK_N, HALF), descriptor(v, BLOCK_N, HALF),
             descriptor(dout, BLOCK_M, HALF), stat_descriptor(stat), stat_descriptor(delta),
@@ -520,4 +522,4 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1
 def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False, persistent=False):
     grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1,
                              persistent=persistent, num_sms=num_sms(q.device))
-    hopper_bwd256_kernel[grid](*args, num_warps=4)
+    launch_kernel(hopper_bwd256_kernel, grid, args)

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..common import ceil_div, tanh, visible
 from .common import (_acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view, descriptor,
                      num_sms, persistent_walk, schedule_table, stat_row0)
+from .common import launch as launch_kernel
 
 ROWS_PER_CONSUMER = 64
 
@@ -309,13 +310,14 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
     num_tiles = num_m_blocks * pb.nheads * pb.batch
     sections = pb.section_heads(k, v, params)
     how = persistent_walk(persistent, persistent, pb, params, num_tiles)
-    persistent = how != "grid"
-    grid = (min(num_tiles, num_sms),) if persistent else (num_tiles,)
     sched = None
     if how == "scheduled":
         sched = schedule_table(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q,
                                           pb.seqlen_k, params.window_left, params.window_right,
-                                          bm * num_consumers, block_n, grid[0]))
+                                          bm * num_consumers, block_n, min(num_tiles, num_sms)))
+        how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
+    persistent = how != "grid"
+    grid = (min(num_tiles, num_sms),) if persistent else (num_tiles,)
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, bm), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, bm),
             descriptor(dq, bm), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
@@ -330,4 +332,4 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
 def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, persistent=False):
     grid, args = kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages,
                              persistent=persistent, num_sms=num_sms(q.device))
-    hopper_dq_kernel[grid](*args, num_warps=4)
+    launch_kernel(hopper_dq_kernel, grid, args)

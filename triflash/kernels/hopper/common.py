@@ -1,6 +1,7 @@
 """Pieces every Hopper (Gluon) kernel shares, written once: accumulator layouts, the view of a
 2D shared tile as a rank-4 TMA box, and the host-side TMA descriptors."""
 import functools
+import os
 
 import torch
 import triton
@@ -115,6 +116,7 @@ def _tile_at(walk, SCHED, SCHEDULED: gl.constexpr):
 # about a microsecond a tile, once per shape)
 SCHEDULE_MAX_TILES = 1 << 15
 _SCHEDULES = {}
+_CAPTURED_SCHEDULES = {}  # tables CUDA graphs read: never freed
 _NUM_SMS = {}
 
 
@@ -142,13 +144,21 @@ def num_sms(device) -> int:
 
 def schedule_table(device, key, build=persistent_schedule):
     """``build(*key)`` (``common.persistent_schedule`` or ``key_tile_schedule``) as an int32
-    tensor on ``device``, kept per shape."""
+    tensor on ``device``, kept per shape; None while ``device``'s stream is capturing a CUDA
+    graph and this shape has no table yet (the copy to the device cannot be captured: the
+    caller launches one CTA per tile instead). A table a graph has captured is kept for as
+    long as the process runs: every replay reads it."""
     t = _SCHEDULES.get((device, build, key))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if t is None:
+        if capturing:
+            return None
         if len(_SCHEDULES) >= 64:
             _SCHEDULES.clear()
         t = torch.tensor(build(*key), dtype=torch.int32, device=device)
         _SCHEDULES[(device, build, key)] = t
+    if capturing:
+        _CAPTURED_SCHEDULES[(device, build, key)] = t
     return t
 
 
@@ -245,6 +255,78 @@ def _store_rows(buf, PTR, stride_row, nrows):
         rows = r + gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
         gl.store(PTR + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + cols,
                  buf.slice(r, CH).load(blk), mask=gl.expand_dims(rows < nrows, 1))
+
+
+# ---- launches without Triton's per-call argument binding ------------------------------------
+#
+# ``kernel[grid](*args)`` binds and specializes every argument on every call (about half of
+# the ~40 us a launch costs the H200's host, benchmarks/results/probes/host-breakdown-*.json;
+# short sequences pay it as wall time). ``launch`` keys the compiled kernel by a tuple that
+# fixes all Triton specializes on, cheaper to build than the binding: ints, floats, bools and
+# None by value, tensors by dtype and 16-byte alignment, TMA descriptors by dtype and box (the
+# box fixes the layout: ``descriptor`` / ``stat_descriptor`` derive it from the box and dtype
+# alone). A repeat goes straight to the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1
+# (the GPU test suite) has Triton specialize each repeat as well and checks that it picks the
+# same compiled kernel.
+
+VERIFY_LAUNCHES = os.environ.get("TRIFLASH_VERIFY_LAUNCHES", "0") == "1"
+_COMPILED = {}
+
+
+def _launch_key(args):
+    """The specialization key of ``args`` (see above), or None for an argument it cannot key."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    key = []
+    for a in args:
+        c = a.__class__
+        if c is int or a is None:
+            key.append(a)
+        elif c is bool or c is float:
+            key.append((c, a))
+        elif c is TensorDescriptor:
+            key.append((a.base.dtype, *a.block_shape))
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, (a.data_ptr() & 15) == 0))
+        else:
+            return None
+    return tuple(key)
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set (triton 3.6: an empty ``HookChain`` when none)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(kernel, grid, args, num_warps=4):
+    """``kernel[grid](*args, num_warps=num_warps)``, ``args`` every parameter in order (the
+    constexprs too). The first call of a specialization runs Triton's JIT (compiling where
+    needed), later ones the compiled kernel's launcher alone; launch hooks (profilers) and
+    anything the key cannot describe take the JIT every time."""
+    from triton import knobs
+    from triton.runtime import driver
+    if not hasattr(kernel, "device_caches") or _hooked(knobs.runtime.launch_enter_hook) \
+            or _hooked(knobs.runtime.launch_exit_hook):
+        return kernel[grid](*args, num_warps=num_warps)
+    spec = _launch_key(args)
+    if spec is None:
+        return kernel[grid](*args, num_warps=num_warps)
+    device = driver.active.get_current_device()
+    key = (kernel, device, num_warps, spec)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, num_warps=num_warps)
+        if compiled is not None and not hasattr(compiled, "result") and len(args) == len(kernel.params):
+            if len(_COMPILED) >= 4096:
+                _COMPILED.clear()
+            _COMPILED[key] = compiled
+        return compiled
+    if VERIFY_LAUNCHES:
+        jit = kernel.run(*args, grid=grid, warmup=True, num_warps=num_warps)
+        assert jit is compiled, f"launch key of {kernel.__name__} maps two specializations together"
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args)
+    return compiled
 
 
 def _gl_dtype(dtype):

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, scores, visible
 from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     descriptor, num_sms, persistent_walk, schedule_table)
+                     descriptor, launch, num_sms, persistent_walk, schedule_table)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -405,13 +405,14 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     num_tiles = num_m_blocks * pb.nheads * pb.batch
     sections = pb.section_heads(k, v, params)
     how = walk(cfg, params, pb, num_tiles)
-    # "grid": one CTA per tile; else one CTA per SM walking tiles (_tile_walk)
-    grid = (num_tiles if how == "grid" else min(num_tiles, num_sms),)
     sched = None
     if how == "scheduled":
         sched = schedule_table(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q, pb.seqlen_k,
-                                     params.window_left, params.window_right, bm * cfg.num_consumers,
-                                     cfg.block_n, grid[0], cfg.schedule_overhead))
+                                          params.window_left, params.window_right, bm * cfg.num_consumers,
+                                          cfg.block_n, min(num_tiles, num_sms), cfg.schedule_overhead))
+        how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
+    # "grid": one CTA per tile; else one CTA per SM walking tiles (_tile_walk)
+    grid = (num_tiles if how == "grid" else min(num_tiles, num_sms),)
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q4, bm), descriptor(k4, cfg.block_n), descriptor(v4, cfg.block_n),
             descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
@@ -440,5 +441,5 @@ def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, se
     grid, args = kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
                              seqused_q, seqused_k, num_sms(q.device))
     if grid[0] > 0:
-        hopper_fwd_kernel[grid](*args, num_warps=4)
+        launch(hopper_fwd_kernel, grid, args)
     return out, lse
