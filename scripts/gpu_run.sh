@@ -5,8 +5,8 @@
 #   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes); BENCH_ROUNDS:
 #   interleaved timing rounds per case (default 3, the median kept)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png}.
-# The two parts take ~470-530 s each (tests at 85cb933: 498 done in 440 s, 96%; the bench
-# with 3 rounds and FA4 isolated: 534 s): one device call each, PARTS=tests (TEST_TIMEOUT
+# The two parts take ~430-535 s each (tests at 95274cf: 537 in 430 s; the bench with 3
+# rounds and FA4 isolated: 534 s): one device call each, PARTS=tests (TEST_TIMEOUT
 # default 560) and PARTS=bench (h200.json is rewritten after every case). The
 # 1k-16k sweep runs triflash and the SDPA backends; the other variants and FlexAttention run
 # at seqlen 8192 only.
