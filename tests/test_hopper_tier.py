@@ -71,6 +71,34 @@ def test_hopper_fwd_256(mask):
     assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("d", [96, 192])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_hopper_fwd_padded_head_dims(mask, d, shape):
+    """Head dims 96 and 192: the forward computed as 128 / 256 (TMA boxes of the tile's width,
+    zero-filled past the head dim on load, clipped on store), O and lse against the fp32
+    reference. q / k / v are slices of wider rows, so a load that did not stop at the head
+    dim would read the next columns' random values; out is poisoned (NaN) and contiguous,
+    so a store that did not stop would overwrite the next head's first columns."""
+    causal, window, softcap = MASKS[mask]
+    sq, sk, h, hk = shape
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+
+    def rnd(s, heads):  # a (2, s, heads, d) view into (2, s, heads, d + 32): strided rows
+        x = torch.randn(2, s, heads, d + 32, device="cuda", dtype=torch.bfloat16, generator=g)
+        return x[..., :d]
+    q, k, v = rnd(sq, h), rnd(sk, hk), rnd(sk, hk)
+    with triflash.force_backend("hopper"):
+        out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                            softcap=softcap, return_attn_probs=True)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
+    # (the backward of a padded head dim runs on the portable tier from this forward's out
+    # and lse: test_flash_attn.py's head dims 96 and 192 under the dispatch)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_bwd_reproducible(d):
     """deterministic=True is bitwise reproducible at every head dim; so is deterministic=False
@@ -104,12 +132,21 @@ def test_hopper_qkvpacked_writes_views():
 
 
 def test_unserved_cases_fall_back_or_are_refused():
-    q = torch.randn(1, 64, 2, 96, device="cuda", dtype=torch.float16)
+    q = torch.randn(1, 64, 2, 80, device="cuda", dtype=torch.float16)
     assert dispatch.hopper_bwd_supports(q, q, q, None, None, None) != ""
     assert dispatch.hopper_fwd_supports(q, q, q, None, None, None) != ""
     triflash.flash_attn_func(q, q, q)  # auto: the portable tier serves it
     with triflash.force_backend("hopper"), pytest.raises(NotImplementedError, match="head dims"):
         triflash.flash_attn_func(q, q, q)
+    # head dim 96: the Hopper forward on dense batches only, the portable backward
+    q96 = torch.randn(64, 2, 96, device="cuda", dtype=torch.float16)
+    cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
+    assert dispatch.hopper_fwd_supports(q96[None], q96[None], q96[None], None, None, None) == ""
+    assert "varlen" in dispatch.hopper_fwd_supports(q96, q96, q96, cu, None, None)
+    used = torch.full((1,), 10, device="cuda", dtype=torch.int32)
+    assert "seqused" in dispatch.hopper_fwd_supports(q96[None], q96[None], q96[None], None, None, used)
+    assert dispatch.hopper_bwd_supports(q96[None], q96[None], q96[None], None, None, None) != ""
+    triflash.flash_attn_varlen_func(q96, q96, q96, cu, cu, 34, 34)  # auto: portable
     q64 = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
     assert dispatch.hopper_bwd_supports(q64, q64, q64, None, None, None) == ""
 

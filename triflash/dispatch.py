@@ -7,8 +7,10 @@
                "hopper"     triflash/kernels/hopper/, Gluon, sm90 only
 
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
-                 (dense or varlen batches, headdim == headdim_v in {64, 128, 256},
-                 TMA-aligned strides, seqlen_k > 0); persistent CTAs with two Q slots
+                 (dense or varlen batches, headdim == headdim_v in {64, 128, 256};
+                 96 and 192 on dense batches without seqused, computed as 128 and 256
+                 with the TMA boxes zero-filling the missing columns; TMA-aligned
+                 strides, seqlen_k > 0); persistent CTAs with two Q slots
                  on dense batches where the tile says so (hopper.fwd.walk: without
                  causal / window mask at 64 / 128, tile after tile; under one, on the
                  host's longest-first schedule where the tile says persistent_masked)
@@ -107,6 +109,10 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
 def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
     """'' when the Gluon forward serves this case, else why not."""
     why_not = _hopper_supports(hopper_fwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+    if not why_not and q.shape[-1] in hopper_fwd.PADDED_HEAD_DIMS and (
+            cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None):
+        why_not = (f"head dim {q.shape[-1]} on a varlen batch or with seqused (computed as "
+                   f"{hopper_fwd.kernel_head_dim(q.shape[-1])}: dense batches only)")
     keys = k.shape[0] if cu_seqlens_q is not None else k.shape[1]
     return why_not or ("seqlen_k == 0" if keys == 0 else "")
 
@@ -130,7 +136,7 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
     if chosen != "portable" and target == "sm90":
         why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
-            cfg = configs.SM90_HOPPER_FWD[q.shape[-1]]
+            cfg = configs.SM90_HOPPER_FWD[hopper_fwd.kernel_head_dim(q.shape[-1])]
             out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None)
             if q.numel() == 0:
                 return out, lse

@@ -102,7 +102,7 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
 
     from .. import configs
     from . import fwd as H
-    cfg = cfg or configs.SM90_HOPPER_FWD[headdim]
+    cfg = cfg or configs.SM90_HOPPER_FWD[H.kernel_head_dim(headdim)]
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
     if kvcache:
         used = torch.zeros(q.shape[0], dtype=torch.int32)
@@ -161,12 +161,15 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
 
 def all_fwd(dtypes=("bf16", "fp16")):
     """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes, varlen in bf16, and the
-    KV-cache form (dense, seqused_k) in bf16 with causal and with window + softcap."""
+    KV-cache form (dense, seqused_k) in bf16 with causal and with window + softcap; the
+    padded head dims (96, 192: dense only) in bf16."""
     from .. import configs
+    from .fwd import PADDED_HEAD_DIMS
     dims = sorted(configs.SM90_HOPPER_FWD)
     return ([compile_fwd(d, dt, f) for d in dims for dt in dtypes for f in FEATURES]
             + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
-            + [compile_fwd(d, "bf16", f, kvcache=True) for d in dims for f in ("causal", "window-softcap")])
+            + [compile_fwd(d, "bf16", f, kvcache=True) for d in dims for f in ("causal", "window-softcap")]
+            + [compile_fwd(d, "bf16", f) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES])
 
 
 def all_bwd(dtypes=("bf16", "fp16")):

@@ -386,7 +386,18 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
 
 # ---- host side --------------------------------------------------------------------------
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)
+# Head dims computed at the next tile width (configs.SM90_HOPPER_FWD has that width's tile):
+# the TMA boxes are that wide, so loads zero-fill the columns past the head dim (adding 0 to
+# every score) and the O store clips them. Dense batches without seqused only (a varlen
+# batch's O leaves by masked stores of the whole width; the KV-cache form is not GPU-tested
+# there): dispatch.hopper_fwd_supports.
+PADDED_HEAD_DIMS = {96: 128, 192: 256}
+
+
+def kernel_head_dim(d: int) -> int:
+    """The head dim the kernel computes for a problem of head dim ``d``."""
+    return PADDED_HEAD_DIMS.get(d, d)
 # Varlen (cu_seqlens / seqused) through this kernel: 24 of 24 GPU cases passed at 4cf91bc
 # (benchmarks/results/probes/hopper-fwd-varlen-tests-4cf91bc.txt).
 VARLEN = True
@@ -400,6 +411,8 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     lse (heads, total_q), ``params.max_seqlen_q`` bounding a sequence's query blocks."""
     pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     q4, k4, v4, o4 = (pb.view(x) for x in (q, k, v, out))
+    d = kernel_head_dim(q.shape[-1])
+    assert d == q.shape[-1] or not pb.varlen, "padded head dims: dense batches only"
     bm = ROWS_PER_CONSUMER
     num_m_blocks = ceil_div(pb.seqlen_q, bm * cfg.num_consumers)
     num_tiles = num_m_blocks * pb.nheads * pb.batch
@@ -414,8 +427,8 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     # "grid": one CTA per tile; else one CTA per SM walking tiles (_tile_walk)
     grid = (num_tiles if how == "grid" else min(num_tiles, num_sms),)
     qk_scale, softcap_log2 = params.score_constants()
-    args = [descriptor(q4, bm), descriptor(k4, cfg.block_n), descriptor(v4, cfg.block_n),
-            descriptor(o4, bm), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
+    args = [descriptor(q4, bm, d), descriptor(k4, cfg.block_n, d), descriptor(v4, cfg.block_n, d),
+            descriptor(o4, bm, d), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_tiles, num_m_blocks,
             sections, *pb.seq_args, sched,
             qk_scale, softcap_log2, params.window_left, params.window_right,
