@@ -86,6 +86,14 @@ def test_presets_list(preset, n, capsys):
             (2, 8192, 32, 64), (16, 1024, 8, 256), (1, 16384, 16, 128)}
 
 
+def test_headdims_preset():
+    """Every tuned head dim at 2 x 8192 tokens, FA3's heads rule (2048 // head dim)."""
+    from triflash.bench.cases import PRESETS, build_cases
+    cases = build_cases(PRESETS["headdims"])
+    assert [(c.headdim, c.nheads, c.batch, c.causal) for c in cases] == [
+        (d, 2048 // d, 2, causal) for d in (64, 96, 128, 192, 256) for causal in (False, True)]
+
+
 def test_preset_shape_flags_select():
     """With a preset, shape flags select among its cases (a split H200 run stays correct)."""
     from triflash.bench.cases import PRESETS, build_cases, filter_cases
