@@ -3,7 +3,7 @@ against the fp32 reference, then backward speed beside the portable backward and
 
     python scripts/hopper_bwd_probe.py check|speed|rounds [--out DIR] [--deterministic]
                                        [--config stages=3,atomic_dq=1,...]
-    python scripts/hopper_bwd_probe.py rounds --headdims 256 [--variants ';dq_persistent=1']
+    python scripts/hopper_bwd_probe.py rounds --headdims 256 [--variants ';ds_wg1=0']
 
 Run each part in its own process under `timeout` (a deadlocked kernel must not eat the
 device call), e.g. `timeout 900 python scripts/hopper_bwd_probe.py check --out /tmp/p`.
@@ -184,7 +184,7 @@ def main():
     ap.add_argument("--pick", default="", help="check: these CHECK_CASES indices (i,j,...)")
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128],
                     help="head dims (64, 128, 256)")
-    ap.add_argument("--variants", default=";dq_persistent=1;dkdv_persistent=1;dq_persistent=1,dkdv_persistent=1",
+    ap.add_argument("--variants", default="",
                     help="rounds: --config specs, ';'-separated ('' = the dispatched tile)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds: interleaved rounds per case")
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")

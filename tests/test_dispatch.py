@@ -2,7 +2,8 @@
 ``hopper_bwd_supports`` with target="sm90", on CPU tensors: the decision reads only shapes,
 strides and the optional tensors' presence), and how the Hopper forward computes the padded
 head dims 96 / 192 (``hopper.fwd.kernel_args``: boxes of the tile's width over the tensor's
-own head dim)."""
+own head dim). The padded head dims are not dispatched yet (``hopper.fwd.HEAD_DIMS``); the
+``serve_padded`` fixture adds them, as dispatching them will."""
 import pytest
 import torch
 
@@ -16,8 +17,19 @@ def _qkv(d, s=64, varlen=False):
     return [torch.empty(shape, dtype=torch.bfloat16) for _ in range(3)]
 
 
+@pytest.fixture
+def serve_padded(monkeypatch):
+    monkeypatch.setattr(fwd, "HEAD_DIMS", tuple(sorted(fwd.HEAD_DIMS + tuple(fwd.PADDED_HEAD_DIMS))))
+
+
+@pytest.mark.parametrize("d", sorted(fwd.PADDED_HEAD_DIMS))
+def test_padded_head_dims_not_dispatched_yet(d):
+    q, k, v = _qkv(d)
+    assert "head dims" in dispatch.hopper_fwd_supports(q, k, v, None, None, None, target="sm90")
+
+
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_hopper_forward_head_dims(d):
+def test_hopper_forward_head_dims(d, serve_padded):
     q, k, v = _qkv(d)
     assert dispatch.hopper_fwd_supports(q, k, v, None, None, None, target="sm90") == ""
     used = torch.zeros(2, dtype=torch.int32)

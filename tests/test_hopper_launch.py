@@ -64,8 +64,7 @@ class _Driver:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    import triton.runtime
-    monkeypatch.setattr(triton.runtime, "driver", _Driver)
+    monkeypatch.setattr(hc, "driver", _Driver)
     monkeypatch.setattr(hc, "_COMPILED", {})
 
 

@@ -57,11 +57,9 @@ def test_hopper_bwd_deterministic_path(d, mask, shape):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, deterministic=True)
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
-def test_hopper_fwd_256(mask):
+def _check_hopper_forward(q, k, v, mask):
+    """The Hopper forward's O and lse under ``mask`` against the fp32 reference (FA3's rule)."""
     causal, window, softcap = MASKS[mask]
-    q, k, v = (torch.randn(2, s, h, 256, device="cuda", dtype=torch.bfloat16)
-               for s, h in ((1031, 8), (2047, 2), (2047, 2)))
     with triflash.force_backend("hopper"):
         out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                             softcap=softcap, return_attn_probs=True)
@@ -71,30 +69,30 @@ def test_hopper_fwd_256(mask):
     assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_hopper_fwd_256(mask):
+    q, k, v = (torch.randn(2, s, h, 256, device="cuda", dtype=torch.bfloat16)
+               for s, h in ((1031, 8), (2047, 2), (2047, 2)))
+    _check_hopper_forward(q, k, v, mask)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("d", [96, 192])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_hopper_fwd_padded_head_dims(mask, d, shape):
+def test_hopper_fwd_padded_head_dims(mask, d, shape, monkeypatch):
     """Head dims 96 and 192: the forward computed as 128 / 256 (TMA boxes of the tile's width,
     zero-filled past the head dim on load, clipped on store), O and lse against the fp32
     reference. q / k / v are slices of wider rows, so a load that did not stop at the head
     dim would read the next columns' random values; out is poisoned (NaN) and contiguous,
     so a store that did not stop would overwrite the next head's first columns."""
-    causal, window, softcap = MASKS[mask]
     sq, sk, h, hk = shape
     g = torch.Generator(device="cuda").manual_seed(d + sq)
 
     def rnd(s, heads):  # a (2, s, heads, d) view into (2, s, heads, d + 32): strided rows
         x = torch.randn(2, s, heads, d + 32, device="cuda", dtype=torch.bfloat16, generator=g)
         return x[..., :d]
-    q, k, v = rnd(sq, h), rnd(sk, hk), rnd(sk, hk)
-    with triflash.force_backend("hopper"):
-        out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window,
-                                            softcap=softcap, return_attn_probs=True)
-    kw = dict(causal=causal, window_size=window, softcap=softcap)
-    ref, lse_ref = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
+    monkeypatch.setattr(dispatch.hopper_fwd, "HEAD_DIMS", (64, 96, 128, 192, 256))  # not dispatched yet
+    _check_hopper_forward(rnd(sq, h), rnd(sk, hk), rnd(sk, hk), mask)
     # (the backward of a padded head dim runs on the portable tier from this forward's out
     # and lse: test_flash_attn.py's head dims 96 and 192 under the dispatch)
 
@@ -131,15 +129,18 @@ def test_hopper_qkvpacked_writes_views():
     assert max_err(dqkv, dref) <= fa_tolerance(dref, dpt)
 
 
-def test_unserved_cases_fall_back_or_are_refused():
+def test_unserved_cases_fall_back_or_are_refused(monkeypatch):
     q = torch.randn(1, 64, 2, 80, device="cuda", dtype=torch.float16)
     assert dispatch.hopper_bwd_supports(q, q, q, None, None, None) != ""
     assert dispatch.hopper_fwd_supports(q, q, q, None, None, None) != ""
     triflash.flash_attn_func(q, q, q)  # auto: the portable tier serves it
     with triflash.force_backend("hopper"), pytest.raises(NotImplementedError, match="head dims"):
         triflash.flash_attn_func(q, q, q)
-    # head dim 96: the Hopper forward on dense batches only, the portable backward
+    # head dim 96: not dispatched yet (hopper.fwd.HEAD_DIMS); once it is, the Hopper forward
+    # on dense batches only, the portable backward
     q96 = torch.randn(64, 2, 96, device="cuda", dtype=torch.float16)
+    assert "head dims" in dispatch.hopper_fwd_supports(q96[None], q96[None], q96[None], None, None, None)
+    monkeypatch.setattr(dispatch.hopper_fwd, "HEAD_DIMS", (64, 96, 128, 192, 256))
     cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
     assert dispatch.hopper_fwd_supports(q96[None], q96[None], q96[None], None, None, None) == ""
     assert "varlen" in dispatch.hopper_fwd_supports(q96, q96, q96, cu, None, None)

@@ -8,9 +8,8 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from triflash.kernels.common import (L2_SECTION_BYTES, key_tile_schedule, launch_order, m_block_range,
-                                     n_block_range, persistent_schedule, section_heads, visited_key_blocks,
-                                     visited_query_blocks)
+from triflash.kernels.common import (L2_SECTION_BYTES, launch_order, n_block_range,
+                                     persistent_schedule, section_heads, visited_key_blocks)
 
 
 @triton.jit
@@ -163,7 +162,7 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert hc.schedule_table(cuda, (1, 2, 3)) is None and not hc._SCHEDULES
     table = torch.zeros(3, dtype=torch.int32)
-    hc._SCHEDULES[(cuda, hc.persistent_schedule, (1, 2, 3))] = table
+    hc._SCHEDULES[(cuda, (1, 2, 3))] = table
     assert hc.schedule_table(cuda, (1, 2, 3)) is table
     hc._SCHEDULES.clear()
     assert list(hc._CAPTURED_SCHEDULES.values()) == [table]
@@ -235,117 +234,3 @@ def test_persistent_schedule(num_bh, num_m, sec, ctas, window, overhead):
     elif (num_bh, num_m) == (36, 64) and window == (-1, 0):  # the seed causal: round-robin breaks it
         rr = [sum(cost(t) for t in range(p, num_bh * num_m, ctas)) for p in range(ctas)]
         assert max(rr) > sum(rr) / ctas + biggest
-
-
-def test_dq_kernel_walks():
-    """The Gluon dQ kernel's launch (``bwd_dq.kernel_args``): one CTA per tile unless the tile
-    says ``dq_persistent``; then on a dense batch one CTA per SM, tile after tile without a
-    mask, the host's schedule under a causal / window mask; varlen keeps one CTA per tile."""
-    import torch
-    bwd_dq = pytest.importorskip("triflash.kernels.hopper.bwd_dq")
-    from triflash.kernels.hopper.common import Problem
-    from triflash.kernels.portable import AttnParams
-    b, s, h, hk, d = 2, 300, 4, 2, 128
-    q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
-    k = torch.empty(b, s, hk, d, dtype=torch.bfloat16)
-    stat = torch.empty(b, h, 320)
-    tiles = b * h * 3  # 128-row tiles of 300 rows
-
-    def launch(right=-1, persistent=True, varlen=False):
-        p = AttnParams(0.1, -1, right, 0.0, s, s)
-        if varlen:
-            cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
-            qv, kv = q.flatten(0, 1), k.flatten(0, 1)
-            pb = Problem(qv, kv, p, cu, cu)
-            qv, kv = pb.view(qv), pb.view(kv)
-            return bwd_dq.kernel_args(pb, qv, kv, kv, qv, qv, stat, stat, p, 64, 2, persistent=persistent,
-                                      num_sms=5)
-        return bwd_dq.kernel_args(Problem(q, k, p), q, k, k, q, q, stat, stat, p, 64, 2,
-                                  persistent=persistent, num_sms=5)
-    for right, persistent, varlen, grid, flags in ((-1, False, False, tiles, (False, False)),
-                                                   (0, False, False, tiles, (False, False)),
-                                                   (-1, True, False, 5, (True, False)),
-                                                   (0, True, False, 5, (True, True)),
-                                                   (0, True, True, tiles, (False, False))):
-        g, args = launch(right, persistent, varlen)
-        assert g == (grid,) and tuple(args[-2:]) == flags, (right, persistent, varlen)
-        sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32
-                 and a.dim() == 1 and a.numel() == 5 + 1 + tiles]
-        assert len(sched) == int(flags[1])
-
-
-@triton.jit
-def _visited_by_kernel(OUT, n_block, len_q, len_k, left, right, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    m_min, _, _, m_max = m_block_range(n_block, len_q, len_k, left, right, BLOCK_M, BLOCK_N,
-                                       HAS_LEFT, HAS_RIGHT)
-    tl.store(OUT, m_max - m_min)
-
-
-def test_visited_query_blocks_matches_the_kernels():
-    """The host's count of query blocks visiting a key block (what a dK/dV key tile costs in
-    the persistent schedule) equals ``m_block_range``'s."""
-    import random
-    rng = random.Random(1)
-    out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    cases = [(n, lq, lk, left, right, bm, bn)
-             for (lq, lk) in ((300, 200), (200, 300), (128, 128), (777, 1))
-             for (left, right) in ((-1, -1), (-1, 0), (64, 0), (5, 17), (0, -1))
-             for (bm, bn) in ((64, 64), (64, 128))
-             for n in range(-(-lk // bn))]
-    for case in rng.sample(cases, 40):
-        n, lq, lk, left, right, bm, bn = case
-        _visited_by_kernel[(1,)](out, n, lq, lk, left, right, bm, bn, left >= 0, right >= 0)
-        assert int(out.item()) == visited_query_blocks(*case), case
-
-
-@pytest.mark.parametrize("window", [(-1, 0), (128, 0), (-1, -1)])
-@pytest.mark.parametrize("group", [1, 4])
-def test_key_tile_schedule(window, group):
-    """The persistent dK/dV kernel's schedule: every key tile once, each CTA's in launch order,
-    loads within one tile of the mean (greedy longest-first)."""
-    num_bh_kv, num_n, ctas, bm, bn = 9, 32, 20, 64, 64
-    s = num_n * bn - 5
-    flat = key_tile_schedule(num_bh_kv, num_n, group, s, s, *window, bm, bn, ctas)
-    offsets, tiles = flat[:ctas + 1], flat[ctas + 1:]
-    assert sorted(tiles) == list(range(num_bh_kv * num_n)) and offsets[-1] == len(tiles)
-
-    def cost(t):
-        return group * visited_query_blocks(t % num_n, s, s, *window, bm, bn) + 1
-    loads = []
-    for p in range(ctas):
-        walk = tiles[offsets[p]:offsets[p + 1]]
-        assert list(walk) == sorted(walk)
-        loads.append(sum(cost(t) for t in walk))
-    assert max(loads) <= sum(loads) / ctas + max(cost(t) for t in tiles)
-
-
-def test_bwd256_walks():
-    """``bwd256.kernel_args``: a (key blocks, KV heads, batch) grid of one CTA per tile unless
-    ``persistent``; then on a dense batch one CTA per SM (the host's schedule only under a
-    mask); varlen keeps the grid."""
-    bwd256 = pytest.importorskip("triflash.kernels.hopper.bwd256")
-    from triflash.kernels.hopper.common import Problem
-    from triflash.kernels.portable import AttnParams
-    b, s, h, hk, d = 2, 300, 4, 2, 256
-    q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
-    k = torch.empty(b, s, hk, d, dtype=torch.bfloat16)
-    stat = torch.empty(b, h, 320)
-    tiles = 5 * hk * b  # 64-key tiles of 300 keys
-    for right, persistent, grid, flags in ((-1, False, (5, hk, b), (False, False)),
-                                           (0, False, (5, hk, b), (False, False)),
-                                           (-1, True, (7,), (True, False)),
-                                           (0, True, (7,), (True, True))):
-        p = AttnParams(0.1, -1, right, 0.0, s, s)
-        g, args = bwd256.kernel_args(Problem(q, k, p), q, k, k, q, k, k, stat, stat, p,
-                                     persistent=persistent, num_sms=7)
-        assert g == grid and tuple(args[-2:]) == flags, (right, persistent)
-        sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
-        assert len(sched) == int(flags[1]) and (not sched or sched[0].numel() == 7 + 1 + tiles)
-    qv, kv = q.flatten(0, 1), k.flatten(0, 1)
-    cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
-    p = AttnParams(0.1, -1, 0, 0.0, s, s)
-    pb = Problem(qv, kv, p, cu, cu)
-    qv4, kv4 = pb.view(qv), pb.view(kv)
-    g, args = bwd256.kernel_args(pb, qv4, kv4, kv4, qv4, kv4, kv4, stat, stat, p, persistent=True, num_sms=7)
-    assert len(g) == 3 and tuple(args[-2:]) == (False, False)

@@ -7,10 +7,11 @@
                "hopper"     triflash/kernels/hopper/, Gluon, sm90 only
 
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
-                 (dense or varlen batches, headdim == headdim_v in {64, 128, 256};
-                 96 and 192 on dense batches without seqused, computed as 128 and 256
-                 with the TMA boxes zero-filling the missing columns; TMA-aligned
-                 strides, seqlen_k > 0); persistent CTAs with two Q slots
+                 (dense or varlen batches, headdim == headdim_v in hopper.fwd.HEAD_DIMS
+                 = {64, 128, 256}; hopper.fwd.PADDED_HEAD_DIMS, 96 and 192 computed as
+                 128 and 256, are built but not in HEAD_DIMS yet, and even there only on
+                 dense batches without seqused; TMA-aligned strides, seqlen_k > 0);
+                 persistent CTAs with two Q slots
                  on dense batches where the tile says so (hopper.fwd.walk: without
                  causal / window mask at 64 / 128, tile after tile; under one, on the
                  host's longest-first schedule where the tile says persistent_masked)

@@ -12,10 +12,9 @@
   a program computes: query-block launches (forward, dQ) longest first, a few heads at a
   time; the others (sections of one head) one head's blocks after another. Every launch
   is one-dimensional: CUDA's grid axes y and z stop at 65535, and batch * heads does not.
-* ``persistent_schedule`` / ``key_tile_schedule``: the same tiles handed out to a fixed
-  number of persistent CTAs as the hardware hands them to CTAs of a one-tile-per-CTA launch
-  (the next tile in launch order to the CTA that frees up first), costed by
-  ``visited_key_blocks`` / ``visited_query_blocks``.
+* ``persistent_schedule``: the same tiles handed out to a fixed number of persistent CTAs
+  as the hardware hands them to CTAs of a one-tile-per-CTA launch (the next tile in launch
+  order to the CTA that frees up first), costed by ``visited_key_blocks``.
 
 Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
 query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
@@ -112,38 +111,6 @@ def visited_key_blocks(m_block: int, len_q: int, len_k: int, window_left: int, w
     return n_max - min(n_min, n_max)
 
 
-def visited_query_blocks(n_block: int, len_q: int, len_k: int, window_left: int, window_right: int,
-                         block_m: int, block_n: int) -> int:
-    """Host twin of ``m_block_range``'s m_max - m_min: how many query blocks visit key block
-    ``n_block`` (negative window sizes: unbounded)."""
-    shift = len_k - len_q
-    col_lo = n_block * block_n
-    m_max = ceil_div(len_q, block_m)
-    m_min = 0
-    if window_right >= 0:
-        m_min = max(col_lo - shift - window_right, 0) // block_m
-    if window_left >= 0:
-        row_end = min(col_lo + block_n - 1 - shift + window_left + 1, len_q)
-        m_max = max(ceil_div(max(row_end, 0), block_m), 0)
-    return m_max - min(m_min, m_max)
-
-
-def _longest_first(cost_of, num_tiles: int, num_ctas: int) -> tuple:
-    """Tiles 0..num_tiles-1 in launch order, each to the CTA whose tiles so far cost least
-    (``cost_of(tile)``; ties to the lower CTA): (offsets..., tiles...) as
-    ``persistent_schedule`` returns them."""
-    free_at = [(0, p) for p in range(num_ctas)]
-    walks = [[] for _ in range(num_ctas)]
-    for tile in range(num_tiles):
-        t, p = free_at[0]
-        heapq.heapreplace(free_at, (t + cost_of(tile), p))
-        walks[p].append(tile)
-    offsets = [0]
-    for w in walks:
-        offsets.append(offsets[-1] + len(w))
-    return tuple(offsets) + tuple(t for w in walks for t in w)
-
-
 def persistent_schedule(num_bh: int, num_m_blocks: int, section_heads: int, len_q: int, len_k: int,
                         window_left: int, window_right: int, block_m: int, block_n: int,
                         num_ctas: int, overhead: int = 1) -> tuple:
@@ -162,20 +129,16 @@ def persistent_schedule(num_bh: int, num_m_blocks: int, section_heads: int, len_
                                block_m, block_n) + overhead
             for rank in range(num_m_blocks)]
     per_section = section_heads * num_m_blocks
-    return _longest_first(lambda tile: cost[(tile % per_section) // section_heads],
-                          num_bh * num_m_blocks, num_ctas)
-
-
-def key_tile_schedule(num_bh_kv: int, num_n_blocks: int, group: int, len_q: int, len_k: int,
-                      window_left: int, window_right: int, block_m: int, block_n: int,
-                      num_ctas: int, overhead: int = 1) -> tuple:
-    """The same for a dK/dV launch over key tiles, tile t = key block t mod ``num_n_blocks``
-    of (batch, KV head) t // ``num_n_blocks`` (the order of a (key blocks, KV heads, batch)
-    grid: under a causal mask key block 0, visited by every query block, first). A tile
-    costs ``group`` x ``visited_query_blocks`` + ``overhead`` query blocks."""
-    cost = [group * visited_query_blocks(n, len_q, len_k, window_left, window_right, block_m, block_n)
-            + overhead for n in range(num_n_blocks)]
-    return _longest_first(lambda tile: cost[tile % num_n_blocks], num_bh_kv * num_n_blocks, num_ctas)
+    free_at = [(0, p) for p in range(num_ctas)]
+    walks = [[] for _ in range(num_ctas)]
+    for tile in range(num_bh * num_m_blocks):
+        t, p = free_at[0]
+        heapq.heapreplace(free_at, (t + cost[(tile % per_section) // section_heads], p))
+        walks[p].append(tile)
+    offsets = [0]
+    for w in walks:
+        offsets.append(offsets[-1] + len(w))
+    return tuple(offsets) + tuple(t for w in walks for t in w)
 
 
 @triton.jit

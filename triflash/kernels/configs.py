@@ -81,19 +81,11 @@ class HopperBwdConfig:
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
-    # the Gluon dQ kernel on persistent CTAs (dense batches): tile after tile without a mask,
-    # the host's longest-first schedule under one (as the forward's persistent_masked); the
-    # next tile's K/V load under this one's, its Q / dO after this one's dQ stores. Correct
-    # on the H200 but within noise of one CTA per tile at head dim 256 (seed 425.7 vs 424.5
-    # TFLOPS, causal 412.0 vs 413.6; probes/bwd-probe-rounds-*-d256-persistent-d3c2227.json):
-    # not dispatched.
-    dq_persistent: bool = False
-    # Head dim 256 (hopper/bwd256.py) only: the dK/dV kernel on persistent CTAs walking key
-    # tiles the same way (common.key_tile_schedule under a mask); dK / dV leave from
-    # registers, so the next tile's K / V load while they are stored and the Q / dO ring runs
-    # on. Correct on the H200, within noise of one CTA per key tile (seed 424.0 vs 424.5,
-    # causal 411.0 vs 413.6; same probes): not dispatched.
-    dkdv_persistent: bool = False
+    # (Persistent dQ and head-dim-256 dK/dV kernels, walking tiles on the host's
+    # longest-first schedule under a mask, were built in session 10 and measured in session
+    # 11: correct, within noise of one CTA per tile (seed 424.5 -> 425.7 / 424.0 TFLOPS,
+    # causal 413.6 -> 412.0 / 411.0; probes/bwd-probe-*-d256-persistent-d3c2227.json), then
+    # removed: benchmarks/NOTES.md, 95274cf item 1.)
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
@@ -174,7 +166,8 @@ SM90_BWD = {
 #     8x2048x8 521.7 -> 527.4, 4x4096x8 578.8 -> 590.0, 1x16384x8 630.7 -> 634.0. One Q
 #     slot at 128 is below two (472.5 / 520.9 / 576.8 at 2k / 4k / 8k); schedule_overhead 3
 #     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
-# (head dims 96 and 192 run the 128 and 256 tiles: hopper/fwd.py PADDED_HEAD_DIMS)
+# (head dims 96 and 192, not dispatched yet, would run the 128 and 256 tiles:
+# hopper/fwd.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2),

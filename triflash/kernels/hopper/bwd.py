@@ -103,29 +103,12 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
     block's tile (the descriptors' boxes are then half the head dim wide, and every Q / dO
     ring slot is two consecutive halves too). Keys and query blocks are relative to the
     sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``)."""
-    _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
-                   q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                   tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max,
-                   NUM_CONSUMERS, STAGES, SPLIT_D, 0, 0, kv_bar, False)
-
-
-@gluon.jit
-def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
-                   q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                   tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max,
-                   NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr,
-                   it_base, local, kv_free, PERSISTENT: gl.constexpr):
-    """``_bwd_loader``'s work for one key tile, the CTA's ``local``-th: its ring slots are
-    ``it_base`` onwards (returns the next tile's first), and with ``PERSISTENT`` it waits for
-    ``kv_free`` (both consumers done with the previous tile's K and V) before loading them."""
     KR: gl.constexpr = k_desc.block_type.shape[1]
     BM: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = q_desc.block_type.shape[3]
     PIECES: gl.constexpr = 2 if SPLIT_D else 1  # smem tiles per Q / dO ring slot
     KEY_STEP: gl.constexpr = 0 if SPLIT_D else KR
     COL_STEP: gl.constexpr = W if SPLIT_D else 0
-    if PERSISTENT:  # the previous tile's wgmmas are done with K and V
-        mbarrier.wait(kv_free, (local & 1) ^ 1)
     mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
@@ -139,8 +122,8 @@ def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs
         g = it // count
         m = m_min + (it - g * count)
         head = head_kv * group + g
-        stage = (it_base + it) % STAGES
-        phase = ((it_base + it) // STAGES) & 1
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
         # A fresh barrier counts as having completed the phase before 0: the first pass
         # through the ring does not wait.
         mbarrier.wait(free.index(stage), phase ^ 1)
@@ -157,7 +140,6 @@ def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs
                                             _tma_view(do_ring.index(PIECES * stage + j), do_desc))
         tma.async_copy_global_to_shared(delta_desc, [tma_batch, head, stat0 + m * BM], do_ready.index(stage),
                                         _tma_view(delta_ring.index(stage), delta_desc))
-    return it_base + group * count
 
 
 @gluon.jit
@@ -538,8 +520,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
-        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1,
-                      cfg.dkdv_persistent)
+        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1)
         atomic_dq = False
     elif atomic_dq:
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -552,7 +533,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
-                          cfg.dq_stages, cfg.dq_persistent)
+                          cfg.dq_stages)
             if dq_out is not dq:
                 dq.copy_(dq_out)
             return _finish(dq, dk, dk_out, dv, dv_out)

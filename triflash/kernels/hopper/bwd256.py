@@ -24,13 +24,6 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
   no shared tile is ever sliced.
 
-Persistent (``kernel_args(persistent=True)``, ``HopperBwdConfig.dkdv_persistent``; dense
-batches): one CTA per SM walks key tiles (``_walk_key_tile``: tile after tile, or the host's
-``common.key_tile_schedule`` under a causal / window mask). dK / dV leave from registers, so
-each consumer arrives on ``kv_free`` after its last wgmma reading K / V and the loader brings
-the next tile's K / V while they are stored; the Q / dO ring and the exchange phases run on
-across tiles (``it_base``).
-
 Exchange barriers (one completion per query block; a writer waits for the reader's
 previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
 ``ds_ready`` / ``ds_free``. The P^T writer never waits for dS^T before writing P^T, and
@@ -44,10 +37,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import ceil_div, key_tile_schedule, tanh
-from .bwd import _bwd_load_tile, _bwd_loader, _loader_barriers
-from .common import (_acc_layout, _key_tile, _key_tile_at, _tile_at, _tile_walk, descriptor, num_sms,
-                     persistent_walk, schedule_table, stat_descriptor)
+from ..common import ceil_div, tanh
+from .bwd import _bwd_loader, _loader_barriers
+from .common import _acc_layout, _key_tile, descriptor, stat_descriptor
 from .common import launch as launch_kernel
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
@@ -64,26 +56,6 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
-    _wg_scores_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-                    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                    DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max,
-                    m_max, qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                    STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, 0, 0, kv_bar, False)
-
-
-@gluon.jit
-def _wg_scores_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-                    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                    DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max,
-                    m_max, qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, it_base, local, kv_free,
-                    PERSISTENT: gl.constexpr):
-    """``_wg_scores`` for the CTA's ``local``-th key tile, its query blocks in ring slots (and
-    exchange phases) ``it_base`` onwards; returns the next tile's first slot. With
-    ``PERSISTENT`` it arrives on ``kv_free`` once its last wgmma reading K has retired."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -97,11 +69,11 @@ def _wg_scores_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, 
     qcols0 = gl.arange(0, BM, layout=col_layout)
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
-    mbarrier.wait(kv_bar, local & 1)
+    mbarrier.wait(kv_bar, 0)
     count = m_max - m_min
     bounds = (m_min, m_full_min, m_full_max, m_max)
     for g in range(group):
-        base = it_base + g * count - m_min
+        base = g * count - m_min
         for seg in gl.static_range(3):
             for m in range(bounds[seg], bounds[seg + 1]):
                 it = base + m
@@ -160,13 +132,10 @@ def _wg_scores_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, 
                     dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
-    if PERSISTENT:
-        mbarrier.arrive(kv_free)  # the loader may bring the next tile's K and V
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                 start_k, key0, len_k, 0, o_layout)
     _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, 0,
                 o_layout)
-    return it_base + group * count
 
 
 @gluon.jit
@@ -192,21 +161,6 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
                STAGES: gl.constexpr, DS_WG1: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, 256)."""
-    _wg_dprobs_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-                    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                    DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                    STAGES, DS_WG1, 0, 0, kv_bar, False)
-
-
-@gluon.jit
-def _wg_dprobs_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-                    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                    DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                    STAGES: gl.constexpr, DS_WG1: gl.constexpr, it_base, local, kv_free,
-                    PERSISTENT: gl.constexpr):
-    """``_wg_dprobs`` for one key tile (as ``_wg_scores_tile``; its last wgmma reading V)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -218,9 +172,8 @@ def _wg_dprobs_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
-    mbarrier.wait(kv_bar, local & 1)
-    for j in range(group * (m_max - m_min)):
-        it = it_base + j
+    mbarrier.wait(kv_bar, 0)
+    for it in range(group * (m_max - m_min)):
         stage = it % STAGES
         phase = (it // STAGES) & 1
         x = it & 1
@@ -253,13 +206,10 @@ def _wg_dprobs_tile(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready
             mbarrier.arrive(pt_free)
             mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
-    if PERSISTENT:
-        mbarrier.arrive(kv_free)
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                 start_k, key0, len_k, H, o_layout)
     _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, H,
                 o_layout)
-    return it_base + group * (m_max - m_min)
 
 
 @gluon.jit
@@ -277,123 +227,14 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 
 
 @gluon.jit
-def _walk_key_tile(walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                   CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, SCHEDULED: gl.constexpr):
-    """``common._key_tile_at`` of position ``walk`` of a persistent CTA's walk: tile t is key
-    block t mod num_n_blocks of (batch, KV head) t // num_n_blocks, the order of the (key
-    blocks, KV heads, batch) grid of one CTA per tile."""
-    tile = _tile_at(walk, SCHED, SCHEDULED)
-    rest = tile // num_n_blocks
-    return _key_tile_at(tile - rest * num_n_blocks, rest % nheads_kv, rest // nheads_kv, nheads, nheads_kv,
-                        seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K)
-
-
-@gluon.jit
-def _wg_scores_walk(k_bufs, v_bufs, kv_bar, kv_free, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-                    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                    DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                    num_tiles, num_n_blocks, SCHED,
-                    qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
-                    HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, SCHEDULED: gl.constexpr):
-    """WG0 of a persistent CTA: ``_wg_scores_tile`` for each key tile of its walk."""
-    BM: gl.constexpr = q_ring.shape[1]
-    KN: gl.constexpr = k_bufs.shape[1]
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
-    it_base = 0
-    local = 0
-    for walk in range(first, end, step):
-        (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-         m_min, m_full_min, m_full_max, m_max) = _walk_key_tile(
-            walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT,
-            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)
-        it_base = _wg_scores_tile(
-            k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-            pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-            DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-            tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max,
-            m_max, qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-            STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, it_base, local, kv_free, True)
-        local += 1
-
-
-@gluon.jit
-def _wg_dprobs_walk(k_bufs, v_bufs, kv_bar, kv_free, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-                    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                    DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                    num_tiles, num_n_blocks, SCHED, softmax_scale, window_left, window_right,
-                    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
-                    HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, SCHEDULED: gl.constexpr):
-    """WG1 of a persistent CTA: ``_wg_dprobs_tile`` for each key tile of its walk."""
-    BM: gl.constexpr = q_ring.shape[1]
-    KN: gl.constexpr = k_bufs.shape[1]
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
-    it_base = 0
-    local = 0
-    for walk in range(first, end, step):
-        (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-         m_min, m_full_min, m_full_max, m_max) = _walk_key_tile(
-            walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT,
-            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)
-        it_base = _wg_dprobs_tile(
-            k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-            pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-            DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-            tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-            STAGES, DS_WG1, it_base, local, kv_free, True)
-        local += 1
-
-
-@gluon.jit
-def _loader_walk(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar, kv_free,
-                 q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                 nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                 num_tiles, num_n_blocks, SCHED, window_left, window_right,
-                 STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                 SCHEDULED: gl.constexpr):
-    """The loader of a persistent CTA: ``bwd._bwd_load_tile`` (split head dim) for each key
-    tile of its walk; the Q / dO ring runs on across tiles."""
-    BM: gl.constexpr = q_desc.block_type.shape[1]
-    KN: gl.constexpr = k_desc.block_type.shape[1]
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
-    it_base = 0
-    local = 0
-    for walk in range(first, end, step):
-        (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-         m_min, m_full_min, m_full_max, m_max) = _walk_key_tile(
-            walk, num_n_blocks, SCHED, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT,
-            IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)
-        it_base = _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
-                                 kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                                 tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
-                                 2, STAGES, True, it_base, local, kv_free, True)
-        local += 1
-
-
-@gluon.jit
 def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                         num_tiles, num_n_blocks, SCHED,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         PERSISTENT: gl.constexpr = False, SCHEDULED: gl.constexpr = False):
+                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -402,11 +243,10 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
 
-    if not PERSISTENT:  # one CTA per key tile (persistent CTAs find theirs as they walk)
-        (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-         m_min, m_full_min, m_full_max, m_max) = _key_tile(
-            nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-            window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+    (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
+     m_min, m_full_min, m_full_max, m_max) = _key_tile(
+        nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+        window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
 
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, H], dtype)
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, BM], dtype)
@@ -434,92 +274,43 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     ds_ready = xbar.index(4)
     ds_free = xbar.index(5)
 
-    if PERSISTENT:
-        # both consumers arrive once their last wgmma reading K / V has retired
-        kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_free, count=2)
-        gl.warp_specialize(
-            [(_wg_scores_walk, (k_bufs, v_bufs, kv_bar, kv_free, q_ring, do_ring, lse_ring, q_ready, do_ready,
-                                free, pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free,
-                                ds_ready, ds_free,
-                                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                                nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                                CU_Q, CU_K, USED_Q, USED_K, num_tiles, num_n_blocks, SCHED,
-                                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                                STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, IS_VARLEN,
-                                HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)),
-             (_wg_dprobs_walk, (k_bufs, v_bufs, kv_bar, kv_free, q_ring, do_ring, delta_ring, q_ready,
-                                do_ready, free, pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready,
-                                dp_free, ds_ready, ds_free,
-                                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                                nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                                CU_Q, CU_K, USED_Q, USED_K, num_tiles, num_n_blocks, SCHED,
-                                softmax_scale, window_left, window_right,
-                                STAGES, HAS_LEFT, HAS_RIGHT, DS_WG1, IS_VARLEN,
-                                HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED)),
-             (_loader_walk, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
-                             kv_bar, kv_free, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                             nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                             CU_Q, CU_K, USED_Q, USED_K, num_tiles, num_n_blocks, SCHED,
-                             window_left, window_right, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                             HAS_SEQUSED_Q, HAS_SEQUSED_K, SCHEDULED))],
-            [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize(
-            [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-                           pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                           DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
-                           m_min, m_full_min, m_full_max, m_max,
-                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1)),
-             (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-                           pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                           DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                           tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                           STAGES, DS_WG1)),
-             (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
-                            kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                            tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
-                            2, STAGES, True))],
-            [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize(
+        [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
+                       pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                       tma_batch, head_kv, group, start_k, key0, len_q, len_k,
+                       m_min, m_full_min, m_full_max, m_max,
+                       qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1)),
+         (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
+                       pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                       tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
+                       STAGES, DS_WG1)),
+         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
+                        kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
+                        tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
+                        2, STAGES, True))],
+        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
-                loader_regs=24, consumer_regs=240, persistent=False, num_sms=132):
+                loader_regs=24, consumer_regs=240):
     """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
-    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``. ``persistent`` (dense
-    batches only): one CTA per SM walking the key tiles, tile after tile without a mask, on
-    the host's longest-first schedule (``common.key_tile_schedule``) under a causal / window
-    mask; the next tile's K / V load while this one's dK / dV are stored."""
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``."""
     d = q.shape[-1]
     assert d == 2 * HALF and v.shape[-1] == d, "head dim 256 only"
-    num_n_blocks = ceil_div(pb.seqlen_k, BLOCK_N)
-    num_tiles = num_n_blocks * pb.nheads_kv * pb.batch
-    how = persistent_walk(persistent, persistent, pb, params, num_tiles)
-    sched = None
-    if how == "scheduled":
-        sched = schedule_table(q.device, (pb.batch * pb.nheads_kv, num_n_blocks, pb.nheads // pb.nheads_kv,
-                                          pb.seqlen_q, pb.seqlen_k, params.window_left, params.window_right,
-                                          BLOCK_M, BLOCK_N, min(num_tiles, num_sms)), key_tile_schedule)
-        how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
-    persistent = how != "grid"
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, BLOCK_M, HALF), descriptor(k, BLOCK_N, HALF), descriptor(v, BLOCK_N, HALF),
             descriptor(dout, BLOCK_M, HALF), stat_descriptor(stat), stat_descriptor(delta),
             dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            num_tiles if persistent else None, num_n_blocks if persistent else None, sched,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs,
-            persistent, sched is not None]
-    if persistent:
-        return (min(num_tiles, num_sms),), args
-    return (num_n_blocks, pb.nheads_kv, pb.batch), args
+            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs]
+    return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 
-def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False, persistent=False):
-    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1,
-                             persistent=persistent, num_sms=num_sms(q.device))
+def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):
+    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1)
     launch_kernel(hopper_bwd256_kernel, grid, args)

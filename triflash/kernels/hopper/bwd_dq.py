@@ -15,11 +15,6 @@ One CTA owns ``NUM_CONSUMERS * 64`` query rows of one (batch, head):
   the wgmma A operand and the K tile (keys x D, row-major) as B.
 * epilogue: dQ * softmax_scale into the consumer's own Q tile, TMA store (clips rows past
   the sequence).
-* persistent (``kernel_args(persistent=True)``, ``HopperBwdConfig.dq_persistent``; dense
-  batches): one CTA per SM walks tiles as the forward does (``_tile_walk``: tile after tile,
-  or the host's longest-first schedule under a causal / window mask); the K/V ring runs on
-  across tiles, and a ``q_free`` barrier holds the next tile's Q / dO until this tile's dQ
-  stores have read the Q tiles.
 
 Statistics come from the padded ``bwd_stats_kernel`` buffers of ``hopper/bwd.py``
 (lse in log2 units with +inf for rows past len_q and rows that saw no key, Delta), read with
@@ -32,61 +27,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh, visible
-from .common import (_acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view, descriptor,
-                     num_sms, persistent_walk, schedule_table, stat_row0)
+from .common import _acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor, stat_row0
 from .common import launch as launch_kernel
 
 ROWS_PER_CONSUMER = 64
 
 
 @gluon.jit
-def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, q_free, k_ring, v_ring,
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-               window_left, window_right, num_tiles, SCHED, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+               window_left, window_right, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-               HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-               PERSISTENT: gl.constexpr, SCHEDULED: gl.constexpr):
-    if PERSISTENT:  # one CTA per SM walking tiles (_tile_walk); the K/V ring runs on across them
-        first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
-        kv_base = 0
-        local = 0
-        for walk in range(first, end, step):
-            kv_base = _dq_load_tile(
-                _tile_at(walk, SCHED, SCHEDULED), local, kv_base, q_desc, do_desc, k_desc, v_desc,
-                q_bufs, do_bufs, q_ready, q_free, k_ring, v_ring, kv_ready, kv_free, num_m_blocks,
-                section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, NUM_CONSUMERS, STAGES,
-                HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, True)
-            local += 1
-    else:
-        _dq_load_tile(gl.program_id(0), 0, 0, q_desc, do_desc, k_desc, v_desc,
-                      q_bufs, do_bufs, q_ready, q_free, k_ring, v_ring, kv_ready, kv_free, num_m_blocks,
-                      section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                      CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, NUM_CONSUMERS, STAGES,
-                      HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, False)
-
-
-@gluon.jit
-def _dq_load_tile(tile, local, kv_base, q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, q_free,
-                  k_ring, v_ring, kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv,
-                  seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                  window_left, window_right, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Q and dO of the CTA's ``local``-th tile, then the K/V ring slots ``kv_base`` onwards
-    for its key blocks; returns the next tile's first ring slot."""
+               HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
      n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-        tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+        gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
         CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
         HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
-    if PERSISTENT:
-        # the Q tiles are also the previous tile's dQ staging: wait for its stores (a fresh
-        # barrier counts as having completed the phase before 0)
-        mbarrier.wait(q_free, (local & 1) ^ 1)
     mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
@@ -95,16 +55,14 @@ def _dq_load_tile(tile, local, kv_base, q_desc, do_desc, k_desc, v_desc, q_bufs,
                                         _tma_view(do_bufs.index(c), do_desc))
     for it in range(n_max - n_min):
         n = n_min + it
-        g = kv_base + it
-        stage = g % STAGES
+        stage = it % STAGES
         # a fresh barrier counts as having completed the phase before 0
-        mbarrier.wait(kv_free.index(stage), ((g // STAGES) & 1) ^ 1)
+        mbarrier.wait(kv_free.index(stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                         kv_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
         tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                         kv_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
-    return kv_base + (n_max - n_min)
 
 
 @gluon.jit
@@ -153,49 +111,14 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
 
 
 @gluon.jit
-def _dq_consumer(q_buf, do_buf, q_ready, q_free, k_ring, v_ring, kv_ready, kv_free, dq_desc,
+def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_desc,
                  DQ, stride_dqm, stride_dqh, STAT, DELTA,
                  stride_sb, stride_sh, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                 qk_scale, softmax_scale, softcap_log2, window_left, window_right, num_tiles, SCHED,
+                 qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
-                 IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                 PERSISTENT: gl.constexpr, SCHEDULED: gl.constexpr):
-    if PERSISTENT:
-        first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
-        kv_base = 0
-        local = 0
-        for walk in range(first, end, step):
-            kv_base = _dq_tile(
-                _tile_at(walk, SCHED, SCHEDULED), local, kv_base, q_buf, do_buf, q_ready, q_free,
-                k_ring, v_ring, kv_ready, kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA,
-                stride_sb, stride_sh, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale, softcap_log2,
-                window_left, window_right, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID,
-                IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, True)
-            local += 1
-    else:
-        _dq_tile(gl.program_id(0), 0, 0, q_buf, do_buf, q_ready, q_free,
-                 k_ring, v_ring, kv_ready, kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA,
-                 stride_sb, stride_sh, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                 total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale, softcap_log2,
-                 window_left, window_right, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID,
-                 IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, False)
-
-
-@gluon.jit
-def _dq_tile(tile, local, kv_base, q_buf, do_buf, q_ready, q_free, k_ring, v_ring, kv_ready, kv_free, dq_desc,
-             DQ, stride_dqm, stride_dqh, STAT, DELTA,
-             stride_sb, stride_sh, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-             total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-             qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-             STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
-             IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-             PERSISTENT: gl.constexpr):
-    """dQ of this consumer's 64 rows of the CTA's ``local``-th tile, its key blocks in ring
-    slots ``kv_base`` onwards; returns the next tile's first ring slot."""
+                 IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -205,7 +128,7 @@ def _dq_tile(tile, local, kv_base, q_buf, do_buf, q_ready, q_free, k_ring, v_rin
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
      n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-        tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+        gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
         CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
         HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
     row_start = row0 + CID * BM
@@ -217,11 +140,11 @@ def _dq_tile(tile, local, kv_base, q_buf, do_buf, q_ready, q_free, k_ring, v_rin
     lse = gl.load(STAT + stat_off, mask=rows < len_q, other=float("inf"))
     delta = gl.load(DELTA + stat_off, mask=rows < len_q, other=0.0)
     dq = gl.zeros([BM, D], gl.float32, o_layout)
-    mbarrier.wait(q_ready, local & 1)
+    mbarrier.wait(q_ready, 0)
     bounds = (n_min, n_full_min, n_full_max, n_max)
     for seg in gl.static_range(3):  # masked left edge, unmasked middle, masked right edge
         for n in range(bounds[seg], bounds[seg + 1]):
-            dq = _dq_step(kv_base + n - n_min, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free,
+            dq = _dq_step(n - n_min, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free,
                           dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
                           softcap_log2, window_left, window_right,
                           STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP)
@@ -229,9 +152,6 @@ def _dq_tile(tile, local, kv_base, q_buf, do_buf, q_ready, q_free, k_ring, v_rin
     q_buf.store((dq * softmax_scale).to(dtype))
     _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
                       len_q, IS_VARLEN)
-    if PERSISTENT:
-        mbarrier.arrive(q_free)  # the stores have read the tile: the loader may refill it
-    return kv_base + (n_max - n_min)
 
 
 @gluon.jit
@@ -239,12 +159,11 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                      STAT, DELTA, stride_sb, stride_sh,
                      nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks, section_heads,
                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                     qk_scale, softmax_scale, softcap_log2, window_left, window_right, num_tiles, SCHED,
+                     qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                      STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PERSISTENT: gl.constexpr = False, SCHEDULED: gl.constexpr = False):
+                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -267,69 +186,47 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=NUM_CONSUMERS)
-    if PERSISTENT:  # each consumer arrives once its dQ stores have read its Q tile
-        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_free, count=NUM_CONSUMERS)
-    else:
-        q_free = q_ready  # (never waited on or arrived at: one tile per CTA)
 
     gl.warp_specialize(
-        [(_dq_consumer, (q_bufs.index(0), do_bufs.index(0), q_ready, q_free, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh,
-                         num_m_blocks, section_heads,
+        [(_dq_consumer, (q_bufs.index(0), do_bufs.index(0), q_ready, k_ring, v_ring, kv_ready,
+                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
-                         softcap_log2, window_left, window_right, num_tiles, SCHED,
+                         softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, PERSISTENT, SCHEDULED)),
-         (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, q_free, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh,
-                         num_m_blocks, section_heads,
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+         (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, k_ring, v_ring, kv_ready,
+                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
-                         softcap_log2, window_left, window_right, num_tiles, SCHED,
+                         softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, PERSISTENT, SCHEDULED)),
-         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, q_free, k_ring, v_ring,
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                        kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                       window_left, window_right, num_tiles, SCHED, NUM_CONSUMERS, STAGES, HAS_LEFT, HAS_RIGHT,
-                       IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, PERSISTENT, SCHEDULED))],
+                       window_left, window_right, NUM_CONSUMERS, STAGES, HAS_LEFT, HAS_RIGHT,
+                       IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
-                loader_regs=24, consumer_regs=240, persistent=False, num_sms=132):
+                loader_regs=24, consumer_regs=240):
     """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
-    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args).
-    ``persistent`` (dense batches only): one CTA per SM walking the tiles, tile after tile
-    without a mask, on the host's longest-first schedule (``common.persistent_schedule``)
-    under a causal / window mask."""
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
     num_m_blocks = ceil_div(pb.seqlen_q, bm * num_consumers)
-    num_tiles = num_m_blocks * pb.nheads * pb.batch
-    sections = pb.section_heads(k, v, params)
-    how = persistent_walk(persistent, persistent, pb, params, num_tiles)
-    sched = None
-    if how == "scheduled":
-        sched = schedule_table(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q,
-                                          pb.seqlen_k, params.window_left, params.window_right,
-                                          bm * num_consumers, block_n, min(num_tiles, num_sms)))
-        how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
-    persistent = how != "grid"
-    grid = (min(num_tiles, num_sms),) if persistent else (num_tiles,)
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, bm), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, bm),
             descriptor(dq, bm), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
-            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks, sections, *pb.seq_args,
+            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,
+            pb.section_heads(k, v, params), *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            num_tiles if persistent else None, sched,
             stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
-            params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs, persistent, sched is not None]
-    return grid, args
+            params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs]
+    return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
-def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, persistent=False):
-    grid, args = kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages,
-                             persistent=persistent, num_sms=num_sms(q.device))
+def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2):
+    grid, args = kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages)
     launch_kernel(hopper_dq_kernel, grid, args)

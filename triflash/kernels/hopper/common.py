@@ -6,11 +6,14 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime import driver
 
 from ..common import (launch_order, launch_sections, m_block_range, n_block_range, persistent_schedule,
                       seqlen_info)
@@ -142,23 +145,23 @@ def num_sms(device) -> int:
     return _NUM_SMS[device]
 
 
-def schedule_table(device, key, build=persistent_schedule):
-    """``build(*key)`` (``common.persistent_schedule`` or ``key_tile_schedule``) as an int32
-    tensor on ``device``, kept per shape; None while ``device``'s stream is capturing a CUDA
-    graph and this shape has no table yet (the copy to the device cannot be captured: the
-    caller launches one CTA per tile instead). A table a graph has captured is kept for as
-    long as the process runs: every replay reads it."""
-    t = _SCHEDULES.get((device, build, key))
+def schedule_table(device, key):
+    """``common.persistent_schedule(*key)`` as an int32 tensor on ``device``, kept per shape;
+    None while ``device``'s stream is capturing a CUDA graph and this shape has no table yet
+    (the copy to the device cannot be captured: the caller launches one CTA per tile
+    instead). A table a graph has captured is kept for as long as the process runs: every
+    replay reads it."""
+    t = _SCHEDULES.get((device, key))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if t is None:
         if capturing:
             return None
         if len(_SCHEDULES) >= 64:
             _SCHEDULES.clear()
-        t = torch.tensor(build(*key), dtype=torch.int32, device=device)
-        _SCHEDULES[(device, build, key)] = t
+        t = torch.tensor(persistent_schedule(*key), dtype=torch.int32, device=device)
+        _SCHEDULES[(device, key)] = t
     if capturing:
-        _CAPTURED_SCHEDULES[(device, build, key)] = t
+        _CAPTURED_SCHEDULES[(device, key)] = t
     return t
 
 
@@ -193,19 +196,9 @@ def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
     boxes start at ``start_q`` / ``start_k`` / ``stat row 0`` plus them, in batch
     ``tma_batch`` (0 for varlen tensors, seen as (1, total, h, d)). A varlen key block past
     its sequence's end visits nothing (and must store nothing)."""
-    return _key_tile_at(gl.program_id(0), gl.program_id(1), gl.program_id(2), nheads, nheads_kv,
-                        seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                        window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K)
-
-
-@gluon.jit
-def _key_tile_at(n_block, head_kv, batch, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                 CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                 HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
-    """``_key_tile`` of key block ``n_block`` of (``batch``, ``head_kv``)."""
+    n_block = gl.program_id(0)
+    head_kv = gl.program_id(1)
+    batch = gl.program_id(2)
     group = nheads // nheads_kv
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -275,7 +268,6 @@ _COMPILED = {}
 
 def _launch_key(args):
     """The specialization key of ``args`` (see above), or None for an argument it cannot key."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     key = []
     for a in args:
         c = a.__class__
@@ -302,8 +294,6 @@ def launch(kernel, grid, args, num_warps=4):
     constexprs too). The first call of a specialization runs Triton's JIT (compiling where
     needed), later ones the compiled kernel's launcher alone; launch hooks (profilers) and
     anything the key cannot describe take the JIT every time."""
-    from triton import knobs
-    from triton.runtime import driver
     if not hasattr(kernel, "device_caches") or _hooked(knobs.runtime.launch_enter_hook) \
             or _hooked(knobs.runtime.launch_exit_hook):
         return kernel[grid](*args, num_warps=num_warps)
@@ -343,7 +333,6 @@ def _make_descriptor(x, block, layout):
     """``TensorDescriptor(x, x.shape, x.stride(), block, layout)`` without its per-call
     validation (~5 us each, 11 per backward): every caller has checked ``tma_compatible``
     and the blocks are fixed powers of two. Same class, same fields, as the launcher reads."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
         x, x.shape, x.stride(), block, layout, "zero")

@@ -136,8 +136,7 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         row["varlen"] = True
     if headdim in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
-        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1,
-                                     persistent=cfg.dkdv_persistent)
+        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1)
         return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
@@ -145,15 +144,14 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, persistent: bool = False) -> dict:
+               varlen: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring; ``varlen``: packed sequences; ``persistent``: on persistent CTAs
-    (``HopperBwdConfig.dq_persistent``)."""
+    ``stages``-deep ring; ``varlen``: packed sequences."""
     from . import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, persistent=persistent)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
-               block_n=block_n, stages=stages, persistent=args[-2], scheduled=args[-1])
+               block_n=block_n, stages=stages)
     if varlen:
         row["varlen"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
@@ -187,7 +185,7 @@ def all_dq(dtypes=("bf16", "fp16")):
     dense in both dtypes and varlen in bf16."""
     from .. import configs
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
-    return ([compile_dq(d, dt, f, c.dq_block_n, c.dq_stages, persistent=c.dq_persistent) for d, c in tiles
+    return ([compile_dq(d, dt, f, c.dq_block_n, c.dq_stages) for d, c in tiles
              for dt in dtypes for f in FEATURES]
             + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=True) for d, c in tiles
                for f in FEATURES])
