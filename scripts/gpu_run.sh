@@ -3,7 +3,8 @@
 # Usage (repo root, on the H200):  [PARTS="tests bench"] bash scripts/gpu_run.sh COMMIT OUTDIR
 #   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags
 #   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes); BENCH_ROUNDS:
-#   interleaved timing rounds per case (default 3, the median kept)
+#   interleaved timing rounds per case (default 3, the median kept); TEST_WORKERS: pytest
+#   workers for the tests (default 8)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png}.
 # The two parts take ~430-535 s each (tests at 95274cf: 537 in 430 s; the bench with 3
 # rounds and FA4 isolated: 534 s): one device call each, PARTS=tests (TEST_TIMEOUT
@@ -26,7 +27,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS="${PARTS:-tests bench}"
 # 1. GPU tests: the same files as CI, sizes scaled up when CUDA is present (-v: each test's
 #    worker and outcome, so a CUDA fault that poisons a worker can be traced to its test).
-[[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-560}" python3 -m pytest tests -n 8 -p no:cacheprovider \
+[[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-560}" python3 -m pytest tests -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
   -m "not sm90" -p no:logging --tb=short -v --ignore=tests/test_bench_cpu.py > "$OUT_DIR/gpu-tests.txt" 2>&1
 [[ " $PARTS " == *" tests "* ]] && tail -n 30 "$OUT_DIR/gpu-tests.txt"
 

@@ -1,9 +1,8 @@
 """Which tier serves which case on sm90 (``dispatch.hopper_fwd_supports`` /
 ``hopper_bwd_supports`` with target="sm90", on CPU tensors: the decision reads only shapes,
-strides and the optional tensors' presence), and how the Hopper forward computes the padded
-head dims 96 / 192 (``hopper.fwd.kernel_args``: boxes of the tile's width over the tensor's
-own head dim). The padded head dims are not dispatched yet (``hopper.fwd.HEAD_DIMS``); the
-``serve_padded`` fixture adds them, as dispatching them will."""
+strides and the optional tensors' presence), and how the Hopper kernels compute the padded
+head dims 96 / 192 (``hopper.common.PADDED_HEAD_DIMS``: boxes of the tile's width over the
+tensor's own head dim), forward and backward, on dense batches only."""
 import pytest
 import torch
 
@@ -17,36 +16,29 @@ def _qkv(d, s=64, varlen=False):
     return [torch.empty(shape, dtype=torch.bfloat16) for _ in range(3)]
 
 
-@pytest.fixture
-def serve_padded(monkeypatch):
-    monkeypatch.setattr(fwd, "HEAD_DIMS", tuple(sorted(fwd.HEAD_DIMS + tuple(fwd.PADDED_HEAD_DIMS))))
-
-
-@pytest.mark.parametrize("d", sorted(fwd.PADDED_HEAD_DIMS))
-def test_padded_head_dims_not_dispatched_yet(d):
-    q, k, v = _qkv(d)
-    assert "head dims" in dispatch.hopper_fwd_supports(q, k, v, None, None, None, target="sm90")
-
-
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_hopper_forward_head_dims(d, serve_padded):
+def test_hopper_head_dims(d):
+    """The Hopper forward and backward serve dense batches at every tuned head dim; varlen
+    batches (and seqused) everywhere but at the padded head dims."""
     q, k, v = _qkv(d)
     assert dispatch.hopper_fwd_supports(q, k, v, None, None, None, target="sm90") == ""
+    assert dispatch.hopper_bwd_supports(q, k, v, None, None, None, target="sm90") == ""
     used = torch.zeros(2, dtype=torch.int32)
     cu = torch.tensor([0, 30, 64], dtype=torch.int32)
     qv, kv, vv = _qkv(d, varlen=True)
     padded = d in fwd.PADDED_HEAD_DIMS
     for why in (dispatch.hopper_fwd_supports(q, k, v, None, None, used, target="sm90"),
-                dispatch.hopper_fwd_supports(qv, kv, vv, cu, None, None, target="sm90")):
+                dispatch.hopper_fwd_supports(qv, kv, vv, cu, None, None, target="sm90"),
+                dispatch.hopper_bwd_supports(qv, kv, vv, cu, None, None, target="sm90"),
+                dispatch.hopper_bwd_supports(qv, kv, vv, cu, None, used, target="sm90")):
         assert (why != "") == padded and (not padded or "dense batches only" in why), why
-    # the backward: the Hopper tier at 64 / 128 / 256 only
-    assert (dispatch.hopper_bwd_supports(q, k, v, None, None, None, target="sm90") == "") == (not padded)
 
 
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 136, 200])
-def test_other_head_dims_take_the_portable_forward(d):
+def test_other_head_dims_take_the_portable_tier(d):
     q, k, v = _qkv(d)
     assert "head dims" in dispatch.hopper_fwd_supports(q, k, v, None, None, None, target="sm90")
+    assert "head dims" in dispatch.hopper_bwd_supports(q, k, v, None, None, None, target="sm90")
 
 
 @pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (128, 128)])
@@ -69,3 +61,36 @@ def test_padded_head_dims_take_boxes_of_the_tile_width(d, width):
         with pytest.raises(AssertionError, match="dense batches only"):
             fwd.kernel_args(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), out.flatten(0, 1),
                             torch.empty(4, 600), p, configs.SM90_HOPPER_FWD[width], cu, cu)
+
+
+@pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (128, 128), (256, 256)])
+def test_padded_head_dims_backward_boxes(d, width):
+    """The backward's kernels at a padded head dim take boxes of the tile's width over the
+    tensors' own head dim (loads zero-fill, TMA stores clip): the dK/dV kernel (bwd.py's, or
+    bwd256.py's two 128-column halves, whose register stores mask the columns past
+    ``HEAD_DIM``), its in-kernel dQ reduce-add (half-width boxes) and the dQ kernel."""
+    import triflash.kernels.hopper.bwd as B
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd256, bwd_dq
+    from triflash.kernels.hopper.common import Problem
+    from triflash.kernels.portable import AttnParams
+    q, k, v = _qkv(d, s=300)
+    do, dq, dk, dv = (torch.empty_like(x) for x in (q, q, k, v))
+    p = AttnParams(d ** -0.5, -1, 0, 0.0, 300, 300)
+    pb = Problem(q, k, p)
+    stat = delta = torch.empty(2, 4, 320)
+    cfg = configs.SM90_HOPPER_BWD[width]
+    if width == 256:
+        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1)
+        assert [x.block_shape[-1] for x in args[:4]] == [128] * 4
+        assert args[-1] == d  # HEAD_DIM: WG1 stores columns [128, d) only
+    else:
+        args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, True)
+        descs = args[:6]  # q, k, v, dout, dk, dv
+        assert [x.block_shape[-1] for x in descs] == [width] * 6
+        assert [x.shape[-1] for x in descs] == [d] * 6
+        dq_accum = args[14]
+        assert (dq_accum.block_shape[-1], dq_accum.shape[-1]) == (width // 2, d)
+    _, args = bwd_dq.kernel_args(pb, q, k, v, do, dq, stat, delta, p, cfg.dq_block_n, cfg.dq_stages)
+    assert [x.block_shape[-1] for x in args[:5]] == [width] * 5  # q, k, v, dout, dq
+    assert [x.shape[-1] for x in args[:5]] == [d] * 5

@@ -130,7 +130,7 @@ def test_hopper_forward_compiles_for_sm90a():
     dense, (bf16) varlen and (bf16) the KV-cache form; head dim 64 with three consumer
     warpgroups."""
     from triflash.kernels import configs
-    from triflash.kernels.hopper.fwd import PADDED_HEAD_DIMS, kernel_head_dim
+    from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     rows = _compiled("fwd")
     assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_FWD) | set(PADDED_HEAD_DIMS)
     assert {r["headdim"] for r in rows if r.get("varlen")} == set(configs.SM90_HOPPER_FWD)
@@ -163,10 +163,16 @@ def test_hopper_backward_compiles_for_sm90a():
     """The dK/dV kernel of every tile of configs.SM90_HOPPER_BWD (hopper/bwd256.py's at head
     dim 256), fp16 and bf16, plain / causal / window+softcap, dense and (bf16) varlen, as
     dispatched: no per-thread atomics; where the tile has ``atomic_dq`` (deterministic=False,
-    dense) also the variant that adds dQ by TMA reduce-add, with the tile's ring depth."""
+    dense) also the variant that adds dQ by TMA reduce-add, with the tile's ring depth; the
+    padded head dims (96, 192: dense, bf16) with the tile of the width they are computed at,
+    held to that width's budgets."""
     from triflash.kernels import configs
+    from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     rows = _compiled("bwd")
-    assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_BWD)
+    assert {r["headdim"] for r in rows} == set(configs.SM90_HOPPER_BWD) | set(PADDED_HEAD_DIMS)
+    assert {r["kernel"] for r in rows if r["headdim"] == 192} == {"hopper_bwd256"}
+    assert not any(r.get("varlen") for r in rows if r["headdim"] in PADDED_HEAD_DIMS)
+    rows = [dict(r, headdim=kernel_head_dim(r["headdim"])) for r in rows]
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
     assert {r["kernel"] for r in rows if r["headdim"] == 256} == {"hopper_bwd256"}
     assert {r["headdim"] for r in rows if r.get("varlen")} == set(configs.SM90_HOPPER_BWD)
@@ -187,11 +193,15 @@ def test_hopper_backward_compiles_for_sm90a():
 def test_hopper_dq_compiles_for_sm90a():
     """The Gluon dQ kernel (hopper/bwd_dq.py) at every head dim whose tile uses it, with that
     tile's key block and ring depth, fp16 and bf16, plain / causal / window+softcap, dense
-    and (bf16) varlen."""
+    and (bf16) varlen; the padded head dims (96, 192: dense, bf16) with the tile of the width
+    they are computed at."""
     from triflash.kernels import configs
+    from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     rows = _compiled("dq")
-    assert {r["headdim"] for r in rows} == {d for d, c in configs.SM90_HOPPER_BWD.items() if c.gluon_dq}
-    assert {r["headdim"] for r in rows if r.get("varlen")} == {r["headdim"] for r in rows}
+    served = {d for d, c in configs.SM90_HOPPER_BWD.items() if c.gluon_dq}
+    assert {r["headdim"] for r in rows} == served | {d for d, w in PADDED_HEAD_DIMS.items() if w in served}
+    assert {r["headdim"] for r in rows if r.get("varlen")} == served
+    rows = [dict(r, headdim=kernel_head_dim(r["headdim"])) for r in rows]
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
         assert (r["block_n"], r["stages"]) == (c.dq_block_n, c.dq_stages), r

@@ -50,10 +50,19 @@ def test_varlen_stats_are_padded_per_sequence(seqused):
         assert (got_stat[:, rows:] == float("inf")).all() and (got_delta[:, rows:] == 0).all()
 
 
-def test_dense_stats_pad_to_whole_tiles():
+@pytest.mark.parametrize("d", [16, 96])
+def test_dense_stats_pad_to_whole_tiles(d):
+    """Head dim 96 (a padded head dim of the Hopper tier) reads a power-of-two tile with its
+    columns past 96 masked: O and dO are views into rows whose next columns hold NaN, so a
+    read past the head dim would make Delta NaN."""
     g = torch.Generator().manual_seed(1)
-    b, s, h, d = 2, 77, 2, 16
-    o, do = (torch.randn(b, s, h, d, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    b, s, h = 2, 77, 2
+
+    def rows_with_nan_tail():
+        x = torch.full((b, s, h, d + 16), float("nan"))
+        x[..., :d] = torch.randn(b, s, h, d, generator=g)
+        return x.to(DEVICE, torch.bfloat16)[..., :d]
+    o, do = rows_with_nan_tail(), rows_with_nan_tail()
     lse = torch.randn(b, h, s, generator=g).to(DEVICE)
     pb = Problem(o, o, AttnParams(1.0, -1, -1, 0.0, s, s))
     stat, delta = hopper_bwd.stats(pb, o, do, lse)

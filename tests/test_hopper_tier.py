@@ -1,6 +1,6 @@
 """The Hopper (Gluon) tier on an sm90 GPU, pinned with ``force_backend("hopper")`` so that a
 case the dispatch meant for it cannot silently fall back to the portable kernels: forward
-and backward (head dim 64/128/256) against the fp32 reference under FA3's
+and backward (head dim 64/128/256, and 96/192 computed as 128/256) against the fp32 reference under FA3's
 tolerance, every mask, GQA/MQA, odd sequence lengths, packed QKV views, bitwise
 reproducibility; and the cases it does not serve fall back under "auto" and are refused
 under "hopper". Skipped without an sm90 GPU (CI has none: tests/test_hopper_compile.py
@@ -79,7 +79,7 @@ def test_hopper_fwd_256(mask):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("d", [96, 192])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_hopper_fwd_padded_head_dims(mask, d, shape, monkeypatch):
+def test_hopper_fwd_padded_head_dims(mask, d, shape):
     """Head dims 96 and 192: the forward computed as 128 / 256 (TMA boxes of the tile's width,
     zero-filled past the head dim on load, clipped on store), O and lse against the fp32
     reference. q / k / v are slices of wider rows, so a load that did not stop at the head
@@ -91,20 +91,67 @@ def test_hopper_fwd_padded_head_dims(mask, d, shape, monkeypatch):
     def rnd(s, heads):  # a (2, s, heads, d) view into (2, s, heads, d + 32): strided rows
         x = torch.randn(2, s, heads, d + 32, device="cuda", dtype=torch.bfloat16, generator=g)
         return x[..., :d]
-    monkeypatch.setattr(dispatch.hopper_fwd, "HEAD_DIMS", (64, 96, 128, 192, 256))  # not dispatched yet
     _check_hopper_forward(rnd(sq, h), rnd(sk, hk), rnd(sk, hk), mask)
-    # (the backward of a padded head dim runs on the portable tier from this forward's out
-    # and lse: test_flash_attn.py's head dims 96 and 192 under the dispatch)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d,deterministic", [(96, False), (96, True), (192, False)])
+def test_hopper_bwd_padded_head_dims(mask, d, deterministic, shape):
+    """Head dims 96 and 192, forward and backward on the Hopper tier (dK/dV by bwd.py's kernel
+    at 96, bwd256.py's at 192; dQ in the dK/dV kernel at 96 unless deterministic, else the dQ
+    kernel, which 192 always takes) against the fp32 reference."""
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap,
+                        deterministic=deterministic, seed=d + sq)
+
+
+@pytest.mark.parametrize("d", [96, 192])
+def test_hopper_bwd_padded_head_dims_strided(d):
+    """q / k / v / dout as views into wider rows (NaN past the head dim) and dq / dk / dv
+    written into views of wider, NaN-poisoned rows (flash_attn_qkvpacked_func's dqkv): a load
+    past the head dim would bring NaN in, a store past it would leave the poison's
+    neighbours changed."""
+    g = torch.Generator(device="cuda").manual_seed(d)
+    qkv = torch.full((2, 700, 3, 4, d + 32), float("nan"), device="cuda", dtype=torch.bfloat16)
+    qkv[..., :d] = torch.randn(2, 700, 3, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    qkv_view = qkv[..., :d].detach().requires_grad_()
+    with triflash.force_backend("hopper"):
+        out = triflash.flash_attn_qkvpacked_func(qkv_view, causal=True)
+        dout = torch.randn_like(out)
+        (dqkv,) = torch.autograd.grad(out, qkv_view, dout)
+    q, k, v = qkv_view.unbind(2)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    (dref,) = torch.autograd.grad(ref, qkv_view, dout)
+    (dpt,) = torch.autograd.grad(pt, qkv_view, dout)
+    assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
+    assert max_err(dqkv, dref) <= fa_tolerance(dref, dpt)
+    # the backward's own kernels writing into strided views of poisoned wider rows
+    from triflash.kernels.portable import AttnParams
+    grads = torch.full((2, 700, 3, 4, d + 32), float("nan"), device="cuda", dtype=torch.bfloat16)
+    dq, dk, dv = grads[..., :d].unbind(2)
+    lse = triflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[1]
+    p = AttnParams(d ** -0.5, -1, 0, 0.0, 700, 700)
+    with triflash.force_backend("hopper"):
+        dispatch.run_bwd(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, None, None, None, None,
+                         p, False, dq=dq, dk=dk, dv=dv)
+    assert torch.isnan(grads[..., d:]).all(), "a store ran past the head dim"
+    got = torch.stack((dq, dk, dv), 2)
+    assert max_err(got, dref) <= fa_tolerance(dref, dpt)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_hopper_bwd_reproducible(d):
     """deterministic=True is bitwise reproducible at every head dim; so is deterministic=False
     where the tile adds dQ without atomics (256). (At 64 / 128 deterministic=False adds dQ
     by TMA reduce-add, whose order of adds may vary: its accuracy is tested like every
     other gradient.)"""
     from triflash.kernels import configs
-    for det in (True,) if configs.SM90_HOPPER_BWD[d].atomic_dq else (False, True):
+    from triflash.kernels.hopper.common import kernel_head_dim
+    for det in (True,) if configs.SM90_HOPPER_BWD[kernel_head_dim(d)].atomic_dq else (False, True):
         with triflash.force_backend("hopper"):
             g1 = check_attention(2, 1500, 1500, 8, 2, d, torch.bfloat16, True, (-1, -1), 0.0,
                                  deterministic=det, seed=5)
@@ -129,25 +176,26 @@ def test_hopper_qkvpacked_writes_views():
     assert max_err(dqkv, dref) <= fa_tolerance(dref, dpt)
 
 
-def test_unserved_cases_fall_back_or_are_refused(monkeypatch):
+def test_unserved_cases_fall_back_or_are_refused():
     q = torch.randn(1, 64, 2, 80, device="cuda", dtype=torch.float16)
     assert dispatch.hopper_bwd_supports(q, q, q, None, None, None) != ""
     assert dispatch.hopper_fwd_supports(q, q, q, None, None, None) != ""
     triflash.flash_attn_func(q, q, q)  # auto: the portable tier serves it
     with triflash.force_backend("hopper"), pytest.raises(NotImplementedError, match="head dims"):
         triflash.flash_attn_func(q, q, q)
-    # head dim 96: not dispatched yet (hopper.fwd.HEAD_DIMS); once it is, the Hopper forward
-    # on dense batches only, the portable backward
+    # head dim 96: the Hopper tier on dense batches only (computed as 128), the portable
+    # kernels for varlen batches and seqused
     q96 = torch.randn(64, 2, 96, device="cuda", dtype=torch.float16)
-    assert "head dims" in dispatch.hopper_fwd_supports(q96[None], q96[None], q96[None], None, None, None)
-    monkeypatch.setattr(dispatch.hopper_fwd, "HEAD_DIMS", (64, 96, 128, 192, 256))
     cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
     assert dispatch.hopper_fwd_supports(q96[None], q96[None], q96[None], None, None, None) == ""
+    assert dispatch.hopper_bwd_supports(q96[None], q96[None], q96[None], None, None, None) == ""
     assert "varlen" in dispatch.hopper_fwd_supports(q96, q96, q96, cu, None, None)
+    assert "varlen" in dispatch.hopper_bwd_supports(q96, q96, q96, cu, None, None)
     used = torch.full((1,), 10, device="cuda", dtype=torch.int32)
     assert "seqused" in dispatch.hopper_fwd_supports(q96[None], q96[None], q96[None], None, None, used)
-    assert dispatch.hopper_bwd_supports(q96[None], q96[None], q96[None], None, None, None) != ""
     triflash.flash_attn_varlen_func(q96, q96, q96, cu, cu, 34, 34)  # auto: portable
+    with triflash.force_backend("hopper"), pytest.raises(NotImplementedError, match="dense batches only"):
+        triflash.flash_attn_varlen_func(q96, q96, q96, cu, cu, 34, 34)
     q64 = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
     assert dispatch.hopper_bwd_supports(q64, q64, q64, None, None, None) == ""
 

@@ -6,11 +6,12 @@
     backend  = "portable"   triflash/kernels/{fwd,bwd}.py, Triton, every target
                "hopper"     triflash/kernels/hopper/, Gluon, sm90 only
 
+    head dims on the Hopper tier: 64, 128, 256 as they are; 96 and 192 computed as 128 and
+                 256 (hopper.common.PADDED_HEAD_DIMS: TMA boxes of the tile's width over
+                 the tensor's head dim), on dense batches without seqused only
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
                  (dense or varlen batches, headdim == headdim_v in hopper.fwd.HEAD_DIMS
-                 = {64, 128, 256}; hopper.fwd.PADDED_HEAD_DIMS, 96 and 192 computed as
-                 128 and 256, are built but not in HEAD_DIMS yet, and even there only on
-                 dense batches without seqused; TMA-aligned strides, seqlen_k > 0);
+                 = {64, 96, 128, 192, 256}; TMA-aligned strides, seqlen_k > 0);
                  persistent CTAs with two Q slots
                  on dense batches where the tile says so (hopper.fwd.walk: without
                  causal / window mask at 64 / 128, tile after tile; under one, on the
@@ -20,9 +21,9 @@
                  (run_fwd_cache)                -> portable forward on every target
     backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (hopper/bwd.py, or
                  hopper/bwd256.py at head dim 256), tile configs.SM90_HOPPER_BWD
-                 (dense or varlen batches, headdim == headdim_v in {64, 128, 256},
-                 TMA-aligned strides); dQ:
-                 deterministic=False, dense, tile.atomic_dq (64, 128) -> inside the dK/dV
+                 (dense or varlen batches, headdim == headdim_v in hopper.bwd.HEAD_DIMS
+                 = {64, 96, 128, 192, 256}, TMA-aligned strides); dQ:
+                 deterministic=False, dense, tile.atomic_dq (64, 96, 128) -> inside the dK/dV
                      kernel, added by TMA reduce-add (order of adds not fixed)
                  otherwise -> the Gluon dQ kernel (hopper/bwd_dq.py), no atomics:
                      bitwise reproducible (at 256 deterministic=False takes it too)
@@ -46,7 +47,7 @@ from .kernels.fwd import flash_fwd_kernel
 try:  # Gluon ships with triton >= 3.5; the portable tier does not need it
     from .kernels.hopper import bwd as hopper_bwd
     from .kernels.hopper import fwd as hopper_fwd
-    from .kernels.hopper.common import tma_compatible
+    from .kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim, tma_compatible
 except ImportError:  # pragma: no cover
     hopper_fwd = hopper_bwd = None
 
@@ -102,6 +103,9 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in module.HEAD_DIMS:
         return f"head dims ({d}, {dv}) (needs equal, one of {module.HEAD_DIMS})"
+    if d in PADDED_HEAD_DIMS and (cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None):
+        return (f"head dim {d} on a varlen batch or with seqused (computed as "
+                f"{kernel_head_dim(d)}: dense batches only)")
     if not tma_compatible(q, k, v):
         return "strides or base pointers not 16-byte aligned (TMA)"
     return ""
@@ -110,10 +114,6 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
 def hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None) -> str:
     """'' when the Gluon forward serves this case, else why not."""
     why_not = _hopper_supports(hopper_fwd, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
-    if not why_not and q.shape[-1] in hopper_fwd.PADDED_HEAD_DIMS and (
-            cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None):
-        why_not = (f"head dim {q.shape[-1]} on a varlen batch or with seqused (computed as "
-                   f"{hopper_fwd.kernel_head_dim(q.shape[-1])}: dense batches only)")
     keys = k.shape[0] if cu_seqlens_q is not None else k.shape[1]
     return why_not or ("seqlen_k == 0" if keys == 0 else "")
 
@@ -137,7 +137,7 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
     if chosen != "portable" and target == "sm90":
         why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
-            cfg = configs.SM90_HOPPER_FWD[hopper_fwd.kernel_head_dim(q.shape[-1])]
+            cfg = configs.SM90_HOPPER_FWD[kernel_head_dim(q.shape[-1])]
             out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None)
             if q.numel() == 0:
                 return out, lse
@@ -175,7 +175,7 @@ def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
         why_not = hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
             return hopper_bwd.bwd(dout, q, k, v, out, lse, params, deterministic,
-                                  configs.SM90_HOPPER_BWD[q.shape[-1]], dq=dq, dk=dk, dv=dv,
+                                  configs.SM90_HOPPER_BWD[kernel_head_dim(q.shape[-1])], dq=dq, dk=dk, dv=dv,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                   seqused_q=seqused_q, seqused_k=seqused_k)
         if chosen == "hopper":

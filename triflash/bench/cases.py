@@ -30,7 +30,8 @@ PRESETS = {
         {"headdims": [64, 128, 256], "seqlens": [8192], "total_tokens": 16384},
         {"headdims": [128, 256], "seqlens": SWEEP_SEQLENS, "total_tokens": 16384},
     ],
-    # Every head dim the project tunes (96 / 192: the forward computed as 128 / 256 on sm90),
+    # Every head dim the project tunes (96 / 192: computed as 128 / 256 on sm90, forward and
+    # backward),
     # at 8k tokens per sequence, 16k tokens per batch.
     "headdims": [{"headdims": [64, 96, 128, 192, 256], "seqlens": [8192], "total_tokens": 16384}],
     # FA3's own benchmark sweep (used when shape flags are given without a preset).

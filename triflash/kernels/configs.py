@@ -166,8 +166,7 @@ SM90_BWD = {
 #     8x2048x8 521.7 -> 527.4, 4x4096x8 578.8 -> 590.0, 1x16384x8 630.7 -> 634.0. One Q
 #     slot at 128 is below two (472.5 / 520.9 / 576.8 at 2k / 4k / 8k); schedule_overhead 3
 #     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
-# (head dims 96 and 192, not dispatched yet, would run the 128 and 256 tiles:
-# hopper/fwd.py PADDED_HEAD_DIMS)
+# (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2),

@@ -2,8 +2,10 @@
 dK and dV, and dQ either in the same kernel, added in L2 by TMA reduce-add
 (deterministic=False on a dense batch, where the tile has ``atomic_dq``: 5 matmuls), or in
 the Gluon dQ kernel (``hopper/bwd_dq.py``; 7 matmuls, no atomics, bitwise reproducible).
-Dispatched on sm90 for dense and varlen batches at head dim 64 and 128 (= headdim_v; 256: ``hopper/bwd256.py``'s dK/dV kernel); tiles in
-``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
+Dispatched on sm90 for dense and varlen batches at head dim 64 and 128 (= headdim_v; 256:
+``hopper/bwd256.py``'s dK/dV kernel), and for dense batches at 96 / 192 computed as 128 / 256
+(``common.kernel_head_dim``: boxes of the tile's width over the tensor's head dim, loads
+zero-filled past it, TMA stores clipped); tiles in ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
 Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
@@ -66,12 +68,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
-from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, launch, stat_descriptor,
-                     stat_row0, stat_rows, tma_compatible, tma_reduce_add)
+from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, kernel_head_dim, launch,
+                     stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
-HEAD_DIMS = (64, 128, 256)  # dispatched (= headdim_v)
+HEAD_DIMS = (64, 96, 128, 192, 256)  # dispatched (= headdim_v); 96 / 192 as 128 / 256, dense only
 VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked dK/dV/dQ stores
 SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split over the warpgroups)
 
@@ -414,11 +416,12 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
                      stride_lseb, stride_lseh, stride_lsem, stride_sb, stride_sh,
                      nheads, seqlen_q, total_q, CU_Q, USED_Q,
                      HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr):
+                     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per query row, into buffers padded to whole query tiles per sequence (TMA tiles never
     leave a sequence's rows, see ``common.stat_row0``): Delta = rowsum(dO * O) (0 past
     len_q) and lse in log2 units, +inf past len_q and for rows that saw no key (lse = -inf),
-    so that P = exp2(S - lse) is 0 there."""
+    so that P = exp2(S - lse) is 0 there. ``BLOCK_D``: HEADDIM_V rounded up to a power of two
+    (columns past HEADDIM_V masked)."""
     bh, m_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_q, BLOCK_M), 1)  # seqlen_q: the longest
     batch = bh // nheads
     head = bh % nheads
@@ -431,13 +434,17 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
     else:
         tma_batch = batch
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEADDIM_V)
+    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < len_q
+    if BLOCK_D == HEADDIM_V:
+        ok = row_ok[:, None]
+    else:
+        ok = row_ok[:, None] & (offs_d[None, :] < HEADDIM_V)
     rows = (start_q + offs_m[:, None]).to(tl.int64)
     o = tl.load(O + tma_batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-                + rows * stride_om + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+                + rows * stride_om + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
     do = tl.load(DO + tma_batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-                 + rows * stride_dom + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+                 + rows * stride_dom + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     lse = tl.load(LSE + tma_batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
                   + (start_q + offs_m).to(tl.int64) * stride_lsem, mask=row_ok, other=float("-inf"))
@@ -451,13 +458,15 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
 # ---- host side --------------------------------------------------------------------------
 
 def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq):
-    """Arguments of ``hopper_bwd_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D views."""
+    """Arguments of ``hopper_bwd_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D views
+    (head dims 96: boxes 128 wide, ``common.kernel_head_dim``)."""
     qk_scale, softcap_log2 = params.score_constants()
     kr = ROWS_PER_CONSUMER
-    return [descriptor(q, BLOCK_M), descriptor(k, kr), descriptor(v, kr), descriptor(dout, BLOCK_M),
-            descriptor(dk, kr), descriptor(dv, kr), stat_descriptor(stat), stat_descriptor(delta),
+    d = kernel_head_dim(q.shape[-1])
+    return [descriptor(q, BLOCK_M, d), descriptor(k, kr, d), descriptor(v, kr, d), descriptor(dout, BLOCK_M, d),
+            descriptor(dk, kr, d), descriptor(dv, kr, d), stat_descriptor(stat), stat_descriptor(delta),
             dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2),
-            descriptor(dq_accum, BLOCK_M, q.shape[-1] // 2),
+            descriptor(dq_accum, BLOCK_M, d // 2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
@@ -480,7 +489,8 @@ def stats(pb, out, dout, lse):
         o4, do4, lse, stat, delta, o4.stride(0), o4.stride(1), o4.stride(2),
         do4.stride(0), do4.stride(1), do4.stride(2), *pb.lse_strides(lse),
         stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.total_q, pb.cu_q, pb.used_q,
-        out.shape[-1], BLOCK_M, pb.varlen, pb.has_used_q])  # HEADDIM_V, BLOCK_M, IS_VARLEN, HAS_SEQUSED_Q
+        out.shape[-1], BLOCK_M, pb.varlen, pb.has_used_q,  # HEADDIM_V, BLOCK_M, IS_VARLEN, HAS_SEQUSED_Q
+        triton.next_power_of_2(out.shape[-1])])  # BLOCK_D
     return stat, delta
 
 
@@ -498,7 +508,8 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     and not ``deterministic`` (dense only), fp32 atomics inside the dK/dV kernel
     (dq = dq_accum * scale)."""
     pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    d = q.shape[-1]
+    d = kernel_head_dim(q.shape[-1])  # 96 / 192: computed as 128 / 256 (dense batches)
+    assert d == q.shape[-1] or not pb.varlen, "padded head dims: dense batches only"
     cfg = cfg or configs.SM90_HOPPER_BWD[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()

@@ -1,6 +1,7 @@
 """Hopper (sm90) dK/dV kernel for head dim 256 in Gluon, the head-dim axis split over the two
-consumer warpgroups; dispatched on sm90 at head dim 256 (``hopper/bwd.py::bwd``). dQ comes
-from the Gluon dQ kernel (``hopper/bwd_dq.py``), as at 64/128.
+consumer warpgroups; dispatched on sm90 at head dim 256 (``hopper/bwd.py::bwd``), and at 192
+on dense batches as 256 (loads zero-filled past the head dim, WG1's stores masked there:
+``HEAD_DIM``). dQ comes from the Gluon dQ kernel (``hopper/bwd_dq.py``), as at 64/128.
 
 Why a different structure than ``hopper/bwd.py``: there each warpgroup owns 64 keys and
 holds dK and dV for them, 2 x 64 x D fp32; at D = 256 that is 256 registers per thread,
@@ -39,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
-from .common import _acc_layout, _key_tile, descriptor, stat_descriptor
+from .common import _acc_layout, _key_tile, descriptor, kernel_head_dim, stat_descriptor
 from .common import launch as launch_kernel
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
@@ -133,9 +134,9 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
-                start_k, key0, len_k, 0, o_layout)
+                start_k, key0, len_k, 0, o_layout, 2 * H)
     _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, 0,
-                o_layout)
+                o_layout, 2 * H)
 
 
 @gluon.jit
@@ -158,9 +159,9 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-               STAGES: gl.constexpr, DS_WG1: gl.constexpr):
+               STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
-    exchange); dK and dV columns [128, 256)."""
+    exchange); dK and dV columns [128, HEAD_DIM)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -207,23 +208,27 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
             mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
     _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
-                start_k, key0, len_k, H, o_layout)
+                start_k, key0, len_k, H, o_layout, HEAD_DIM)
     _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, H,
-                o_layout)
+                o_layout, HEAD_DIM)
 
 
 @gluon.jit
 def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, start_k, key0, len_k,
-                COL0: gl.constexpr, layout: gl.constexpr):
-    """A [64 keys, 128] fp32 accumulator -> columns [COL0, COL0 + 128) of dK or dV, rows
-    ``start_k + key0 + i`` for the sequence's keys ``key0 + i < len_k``."""
+                COL0: gl.constexpr, layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A [64 keys, 128] fp32 accumulator -> columns [COL0, min(COL0 + 128, HEAD_DIM)) of dK or
+    dV, rows ``start_k + key0 + i`` for the sequence's keys ``key0 + i < len_k``."""
     KN: gl.constexpr = acc.shape[0]
     H: gl.constexpr = acc.shape[1]
     keys = key0 + gl.arange(0, KN, layout=gl.SliceLayout(1, layout))
     cols = COL0 + gl.arange(0, H, layout=gl.SliceLayout(0, layout))
     ptrs = (PTR + tma_batch.to(gl.int64) * stride_b + head_kv.to(gl.int64) * stride_h
             + gl.expand_dims((start_k + keys).to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0))
-    gl.store(ptrs, acc.to(PTR.dtype.element_ty), mask=gl.expand_dims(keys < len_k, 1))
+    if COL0 + H > HEAD_DIM:  # head dim 192: the upper half's last 64 columns are padding
+        ok = gl.expand_dims(keys < len_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    else:
+        ok = gl.expand_dims(keys < len_k, 1)
+    gl.store(ptrs, acc.to(PTR.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
@@ -234,7 +239,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -242,6 +247,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     gl.static_assert(KN == 64, "64 keys per CTA")
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
+    gl.static_assert(HEAD_DIM > H and HEAD_DIM <= 2 * H, "head dims 192 / 256 (columns past it are padding)")
 
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
      m_min, m_full_min, m_full_max, m_max) = _key_tile(
@@ -286,7 +292,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       STAGES, DS_WG1)),
+                       STAGES, DS_WG1, HEAD_DIM)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -299,7 +305,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1
     """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
     views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``."""
     d = q.shape[-1]
-    assert d == 2 * HALF and v.shape[-1] == d, "head dim 256 only"
+    assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"
     qk_scale, softcap_log2 = params.score_constants()
     args = [descriptor(q, BLOCK_M, HALF), descriptor(k, BLOCK_N, HALF), descriptor(v, BLOCK_N, HALF),
             descriptor(dout, BLOCK_M, HALF), stat_descriptor(stat), stat_descriptor(delta),
@@ -307,7 +313,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs]
+            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs, d]
     return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 

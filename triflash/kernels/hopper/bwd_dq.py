@@ -27,7 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh, visible
-from .common import _acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor, stat_row0
+from .common import (_acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor, kernel_head_dim,
+                     stat_row0)
 from .common import launch as launch_kernel
 
 ROWS_PER_CONSUMER = 64
@@ -217,8 +218,9 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
     bm = ROWS_PER_CONSUMER
     num_m_blocks = ceil_div(pb.seqlen_q, bm * num_consumers)
     qk_scale, softcap_log2 = params.score_constants()
-    args = [descriptor(q, bm), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, bm),
-            descriptor(dq, bm), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
+    d = kernel_head_dim(q.shape[-1])  # 96 / 192: boxes 128 / 256 wide (dense batches)
+    args = [descriptor(q, bm, d), descriptor(k, block_n, d), descriptor(v, block_n, d), descriptor(dout, bm, d),
+            descriptor(dq, bm, d), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,
             pb.section_heads(k, v, params), *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,

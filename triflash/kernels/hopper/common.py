@@ -357,6 +357,19 @@ def stat_descriptor(x, rows=64):
     return _make_descriptor(x, [1, 1, rows], _stat_layout(rows))
 
 
+# Head dims the Hopper kernels compute at the next tile width (their TMA boxes are that wide:
+# loads zero-fill the columns past the head dim, which adds 0 to every score and to every
+# product, and TMA stores clip them; register stores mask them). Dense batches without
+# seqused only (a varlen batch's outputs leave by masked stores of the whole tile width):
+# dispatch.padded_head_dim_excluded.
+PADDED_HEAD_DIMS = {96: 128, 192: 256}
+
+
+def kernel_head_dim(d: int) -> int:
+    """The head dim the Hopper kernels compute for a problem of head dim ``d``."""
+    return PADDED_HEAD_DIMS.get(d, d)
+
+
 def tma_compatible(*tensors) -> bool:
     """TMA needs 16-byte aligned base pointers and 16-byte multiples for the outer strides."""
     for x in tensors:  # (plain loops: this runs on every launch)

@@ -128,13 +128,14 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
     from .. import configs
     from . import bwd as B
-    cfg = cfg or configs.SM90_HOPPER_BWD[headdim]
+    from .common import kernel_head_dim
+    cfg = cfg or configs.SM90_HOPPER_BWD[kernel_head_dim(headdim)]
     pb, (q, k, v, do, _, dk, dv), stat, delta, p = _backward(headdim, dtype, feature, varlen)
     row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if varlen:
         row["varlen"] = True
-    if headdim in B.SPLIT_D_HEAD_DIMS:
+    if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1)
         return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
@@ -162,7 +163,7 @@ def all_fwd(dtypes=("bf16", "fp16")):
     KV-cache form (dense, seqused_k) in bf16 with causal and with window + softcap; the
     padded head dims (96, 192: dense only) in bf16."""
     from .. import configs
-    from .fwd import PADDED_HEAD_DIMS
+    from .common import PADDED_HEAD_DIMS
     dims = sorted(configs.SM90_HOPPER_FWD)
     return ([compile_fwd(d, dt, f) for d in dims for dt in dtypes for f in FEATURES]
             + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
@@ -172,22 +173,31 @@ def all_fwd(dtypes=("bf16", "fp16")):
 
 def all_bwd(dtypes=("bf16", "fp16")):
     """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16;
-    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too."""
+    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too; the
+    padded head dims (96, 192: dense only) in bf16."""
     from .. import configs
+    from .common import PADDED_HEAD_DIMS, kernel_head_dim
     dims = sorted(configs.SM90_HOPPER_BWD)
-    modes = {d: (False, True) if configs.SM90_HOPPER_BWD[d].atomic_dq else (False,) for d in dims}
+    modes = {d: (False, True) if configs.SM90_HOPPER_BWD[kernel_head_dim(d)].atomic_dq else (False,)
+             for d in dims + sorted(PADDED_HEAD_DIMS)}
     return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes for f in FEATURES for a in modes[d]]
-            + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES])
+            + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
+            + [compile_bwd(d, "bf16", f, a) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES
+               for a in modes[d]])
 
 
 def all_dq(dtypes=("bf16", "fp16")):
     """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it,
-    dense in both dtypes and varlen in bf16."""
+    dense in both dtypes and varlen in bf16; the padded head dims (96, 192) dense in bf16."""
     from .. import configs
+    from .common import PADDED_HEAD_DIMS
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
+    padded = [(d, configs.SM90_HOPPER_BWD[w]) for d, w in sorted(PADDED_HEAD_DIMS.items())]
     return ([compile_dq(d, dt, f, c.dq_block_n, c.dq_stages) for d, c in tiles
              for dt in dtypes for f in FEATURES]
             + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=True) for d, c in tiles
+               for f in FEATURES]
+            + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages) for d, c in padded if c.gluon_dq
                for f in FEATURES])
 
 

@@ -29,8 +29,9 @@ any strides with a contiguous last dim work without copies and TMA zero-fills an
 each sequence's end. Varlen batches (``VARLEN``): the (total, heads, dim) tensors are seen as
 (1, total, heads, dim), boxes start at each sequence's first row, key blocks past a
 sequence's end are masked like a dense tail, and O leaves by masked stores (a box would run
-into the next sequence). Not covered (dispatch falls back to the portable kernels): head
-dims other than 64/128/256, headdim_v != headdim.
+into the next sequence). Head dims 96 and 192 run as 128 and 256 (``kernel_head_dim``) on
+dense batches. Not covered (dispatch falls back to the portable kernels): other head dims,
+headdim_v != headdim, 96 / 192 on varlen batches or with seqused.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,8 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, scores, visible
-from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     descriptor, launch, num_sms, persistent_walk, schedule_table)
+from .common import (PADDED_HEAD_DIMS, Problem, _acc_layout, _seq_query_tile, _store_query_tile,  # noqa: F401
+                     _tile_at, _tile_walk, _tma_view, descriptor, kernel_head_dim, launch, num_sms,
+                     persistent_walk, schedule_table)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -386,25 +388,13 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
 
 # ---- host side --------------------------------------------------------------------------
 
-HEAD_DIMS = (64, 128, 256)  # dispatched (dispatch.hopper_fwd_supports)
-# Head dims computed at the next tile width (configs.SM90_HOPPER_FWD has that width's tile):
-# the TMA boxes are that wide, so loads zero-fill the columns past the head dim (adding 0 to
-# every score) and the O store clips them. Dense batches without seqused only (a varlen
-# batch's O leaves by masked stores of the whole width; the KV-cache form is not GPU-tested
-# there): dispatch.hopper_fwd_supports. Built and GPU-tested in session 11 (57 targeted
-# tests, 1.27x-1.65x the portable forward: benchmarks/NOTES.md, 95274cf item 5), not yet
-# dispatched: they join HEAD_DIMS once the whole GPU suite and the benchmark have run with
-# them (the tests that exercise them add them to HEAD_DIMS).
-PADDED_HEAD_DIMS = {96: 128, 192: 256}
-
-
-def kernel_head_dim(d: int) -> int:
-    """The head dim the kernel computes for a problem of head dim ``d``."""
-    return PADDED_HEAD_DIMS.get(d, d)
+# Dispatched head dims (dispatch.hopper_fwd_supports). 96 / 192 (common.PADDED_HEAD_DIMS)
+# are computed at the next tile width, 128 / 256 (configs.SM90_HOPPER_FWD has that width's
+# tile), through descriptors with boxes that wide over the tensor's own head dim.
+HEAD_DIMS = (64, 96, 128, 192, 256)
 # Varlen (cu_seqlens / seqused) through this kernel: 24 of 24 GPU cases passed at 4cf91bc
 # (benchmarks/results/probes/hopper-fwd-varlen-tests-4cf91bc.txt).
 VARLEN = True
-
 
 
 def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None,
