@@ -89,6 +89,12 @@ class HopperBwdConfig:
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
+    # Head dim 256 only: the dK/dV CTAs in longest-first order across a few KV heads under a
+    # mask (hopper.common._key_block_ids, as the forward and dQ kernels order their query
+    # tiles) instead of the grid's key block x KV head x batch order, where the last KV
+    # head's longest causal key tiles start when the card is almost done. Off: not yet
+    # measured on the H200 (session 12 built it).
+    ordered_keys: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 
