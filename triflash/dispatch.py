@@ -20,13 +20,13 @@
               KV cache with cache_batch_idx / cache_leftpad / page table, or varlen q
                  (run_fwd_cache)                -> portable forward on every target
     backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (hopper/bwd.py, or
-                 hopper/bwd256.py at head dim 256), tile configs.SM90_HOPPER_BWD
+                 hopper/bwd256.py at head dims 192 / 256), tile configs.SM90_HOPPER_BWD
                  (dense or varlen batches, headdim == headdim_v in hopper.bwd.HEAD_DIMS
                  = {64, 96, 128, 192, 256}, TMA-aligned strides); dQ:
                  deterministic=False, dense, tile.atomic_dq (64, 96, 128) -> inside the dK/dV
                      kernel, added by TMA reduce-add (order of adds not fixed)
                  otherwise -> the Gluon dQ kernel (hopper/bwd_dq.py), no atomics:
-                     bitwise reproducible (at 256 deterministic=False takes it too)
+                     bitwise reproducible (at 192 / 256 deterministic=False takes it too)
               otherwise -> portable backward, tile from configs.bwd_config(target, d, dv);
               deterministic=True  -> dK/dV kernel + separate dQ kernel (no atomics)
               deterministic=False -> dK/dV kernel with fp32 atomic dQ, unless the tile

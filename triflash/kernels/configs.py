@@ -86,15 +86,12 @@ class HopperBwdConfig:
     # 11: correct, within noise of one CTA per tile (seed 424.5 -> 425.7 / 424.0 TFLOPS,
     # causal 413.6 -> 412.0 / 411.0; probes/bwd-probe-*-d256-persistent-d3c2227.json), then
     # removed: benchmarks/NOTES.md, 95274cf item 1.)
+    # (Nor did a longest-first order of the head-dim-256 dK/dV CTAs across 4 KV heads move
+    # the causal backward: seed 427.9 -> 425.7 TFLOPS in interleaved rounds, built and
+    # removed in session 12: NOTES.md, be2df44 item 5.)
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
-    # Head dim 256 only: the dK/dV CTAs in longest-first order across a few KV heads under a
-    # mask (hopper.common._key_block_ids, as the forward and dQ kernels order their query
-    # tiles) instead of the grid's key block x KV head x batch order, where the last KV
-    # head's longest causal key tiles start when the card is almost done. Off: not yet
-    # measured on the H200 (session 12 built it).
-    ordered_keys: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

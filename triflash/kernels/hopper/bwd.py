@@ -357,7 +357,6 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     BLOCK_N: gl.constexpr = KR * NUM_CONSUMERS
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
      m_min, m_full_min, m_full_max, m_max) = _key_tile(
-        gl.program_id(0), gl.program_id(1), gl.program_id(2),
         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
         window_left, window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
         HAS_SEQUSED_Q, HAS_SEQUSED_K)
@@ -532,8 +531,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
-        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1,
-                      cfg.ordered_keys)
+        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1)
         atomic_dq = False
     elif atomic_dq:
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

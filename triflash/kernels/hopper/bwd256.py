@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
-from .common import _acc_layout, _key_block_ids, _key_tile, descriptor, kernel_head_dim, key_sections, stat_descriptor
+from .common import _acc_layout, _key_tile, descriptor, kernel_head_dim, stat_descriptor
 from .common import launch as launch_kernel
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
@@ -239,8 +239,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         num_n_blocks, section_heads, ORDERED: gl.constexpr):
+                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -252,7 +251,6 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
 
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
      m_min, m_full_min, m_full_max, m_max) = _key_tile(
-        *_key_block_ids(num_n_blocks, section_heads, nheads_kv, ORDERED),
         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
         window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
 
@@ -303,10 +301,9 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
 
 
 def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
-                loader_regs=24, consumer_regs=240, ordered=False):
+                loader_regs=24, consumer_regs=240):
     """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
-    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; ``ordered``: a 1D grid in
-    ``common._key_block_ids``'s longest-first order (``HopperBwdConfig.ordered_keys``)."""
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``."""
     d = q.shape[-1]
     assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"
     qk_scale, softcap_log2 = params.score_constants()
@@ -317,16 +314,9 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs, d]
-    num_n_blocks = ceil_div(pb.seqlen_k, BLOCK_N)
-    sections = key_sections(pb.batch, pb.nheads, pb.nheads_kv, pb.seqlen_q, 2 * d * q.element_size(),
-                            params.masked) if ordered else 1
-    args += [num_n_blocks, sections, ordered]
-    if ordered:
-        return (num_n_blocks * pb.nheads_kv * pb.batch,), args
-    return (num_n_blocks, pb.nheads_kv, pb.batch), args
+    return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 
-def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False, ordered=False):
-    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1,
-                             ordered=ordered)
+def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):
+    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1)
     launch_kernel(hopper_bwd256_kernel, grid, args)

@@ -15,8 +15,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
-from ..common import (L2_SECTION_BYTES, _largest_divisor_at_most, launch_order, launch_sections, m_block_range,
-                      n_block_range, persistent_schedule, seqlen_info)
+from ..common import (launch_order, launch_sections, m_block_range, n_block_range, persistent_schedule,
+                      seqlen_info)
 
 
 @gluon.constexpr_function
@@ -185,46 +185,20 @@ def stat_rows(total_q: int, batch: int, bm: int) -> int:
 
 
 @gluon.jit
-def _key_block_ids(num_n_blocks, section_heads, nheads_kv, ORDERED: gl.constexpr):
-    """(key block, KV head, batch) of this CTA of a dK/dV launch: the grid's (x, y, z), or
-    with ``ORDERED`` (a 1D grid) ``common.launch_order`` over (batch * KV heads) x key blocks,
-    rank = key block: the longest key tiles under a causal mask (the first) of
-    ``section_heads`` KV heads start before their shorter ones."""
-    if ORDERED:
-        bh, n_block = launch_order(gl.program_id(0), num_n_blocks, section_heads)
-        batch = bh // nheads_kv
-        head_kv = bh - batch * nheads_kv
-    else:
-        n_block = gl.program_id(0)
-        head_kv = gl.program_id(1)
-        batch = gl.program_id(2)
-    return n_block, head_kv, batch
-
-
-def key_sections(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, row_bytes: int,
-                 masked: bool) -> int:
-    """``section_heads`` of an ordered dK/dV launch (``_key_block_ids``): 1 without a mask;
-    with one, as many KV heads as keep the query-side rows their CTAs stream (``row_bytes``
-    per query row: Q and dO, (d + dv) * element size, for each query head of the group)
-    within ``L2_SECTION_BYTES``, and a divisor of batch * KV heads."""
-    if not masked:
-        return 1
-    per_kv_head = max(1, (nheads // max(1, nheads_kv)) * seqlen_q * row_bytes)
-    return _largest_divisor_at_most(batch * nheads_kv, max(1, L2_SECTION_BYTES // per_kv_head))
-
-
-@gluon.jit
-def _key_tile(n_block, head_kv, batch, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
               CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
-    """Key block ``n_block`` of KV head ``head_kv`` of ``batch`` (``_key_block_ids``) as a
-    dK/dV kernel's CTA walks it, dense or varlen -> (tma_batch, head_kv, group size, start_q, len_q, start_k, len_k, stat row 0,
+    """This CTA's key block of a dK/dV kernel (grid: key blocks, KV heads, batch), dense or
+    varlen -> (tma_batch, head_kv, group size, start_q, len_q, start_k, len_k, stat row 0,
     first key, query block range). Keys and query blocks are relative to the sequence; TMA
     boxes start at ``start_q`` / ``start_k`` / ``stat row 0`` plus them, in batch
     ``tma_batch`` (0 for varlen tensors, seen as (1, total, h, d)). A varlen key block past
     its sequence's end visits nothing (and must store nothing)."""
+    n_block = gl.program_id(0)
+    head_kv = gl.program_id(1)
+    batch = gl.program_id(2)
     group = nheads // nheads_kv
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,

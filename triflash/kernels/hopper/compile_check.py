@@ -137,9 +137,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
-        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1,
-                                     ordered=cfg.ordered_keys)
-        return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, ordered_keys=cfg.ordered_keys, **row,
+        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1)
+        return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
