@@ -2,7 +2,7 @@
 ``hopper_bwd_supports`` with target="sm90", on CPU tensors: the decision reads only shapes,
 strides and the optional tensors' presence), and how the Hopper kernels compute the padded
 head dims 96 / 192 (``hopper.common.PADDED_HEAD_DIMS``: boxes of the tile's width over the
-tensor's own head dim), forward and backward, on dense batches only."""
+tensor's own head dim), forward and backward."""
 import pytest
 import torch
 
@@ -18,20 +18,19 @@ def _qkv(d, s=64, varlen=False):
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_hopper_head_dims(d):
-    """The Hopper forward and backward serve dense batches at every tuned head dim; varlen
-    batches (and seqused) everywhere but at the padded head dims."""
+    """The Hopper forward and backward serve every tuned head dim: dense batches, varlen
+    batches, seqused (the forward also on a dense batch: the KV cache)."""
     q, k, v = _qkv(d)
-    assert dispatch.hopper_fwd_supports(q, k, v, None, None, None, target="sm90") == ""
-    assert dispatch.hopper_bwd_supports(q, k, v, None, None, None, target="sm90") == ""
     used = torch.zeros(2, dtype=torch.int32)
     cu = torch.tensor([0, 30, 64], dtype=torch.int32)
     qv, kv, vv = _qkv(d, varlen=True)
-    padded = d in fwd.PADDED_HEAD_DIMS
-    for why in (dispatch.hopper_fwd_supports(q, k, v, None, None, used, target="sm90"),
+    for why in (dispatch.hopper_fwd_supports(q, k, v, None, None, None, target="sm90"),
+                dispatch.hopper_bwd_supports(q, k, v, None, None, None, target="sm90"),
+                dispatch.hopper_fwd_supports(q, k, v, None, None, used, target="sm90"),
                 dispatch.hopper_fwd_supports(qv, kv, vv, cu, None, None, target="sm90"),
                 dispatch.hopper_bwd_supports(qv, kv, vv, cu, None, None, target="sm90"),
                 dispatch.hopper_bwd_supports(qv, kv, vv, cu, None, used, target="sm90")):
-        assert (why != "") == padded and (not padded or "dense batches only" in why), why
+        assert why == "", why
 
 
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 136, 200])
@@ -54,13 +53,13 @@ def test_padded_head_dims_take_boxes_of_the_tile_width(d, width):
     assert [x.block_shape[-1] for x in descs] == [width] * 4
     assert [x.shape[-1] for x in descs] == [d] * 4  # the tensor's head dim: TMA fills / clips
     assert [x.base for x in descs] == [q, k, v, out]
+    assert args[-1] == d  # HEAD_DIM: a varlen batch's masked O stores stop there
     if d == width:  # an unpadded head dim: the same descriptors as before the padding
         assert descs[0].layout is descriptor(q, 64).layout
     cu = torch.tensor([0, 300, 600], dtype=torch.int32)
-    if d != width:
-        with pytest.raises(AssertionError, match="dense batches only"):
-            fwd.kernel_args(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), out.flatten(0, 1),
-                            torch.empty(4, 600), p, configs.SM90_HOPPER_FWD[width], cu, cu)
+    _, args = fwd.kernel_args(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), out.flatten(0, 1),
+                              torch.empty(4, 600), p, configs.SM90_HOPPER_FWD[width], cu, cu)
+    assert [x.block_shape[-1] for x in args[:4]] == [width] * 4 and args[-1] == d
 
 
 @pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (128, 128), (256, 256)])
@@ -91,6 +90,8 @@ def test_padded_head_dims_backward_boxes(d, width):
         assert [x.shape[-1] for x in descs] == [d] * 6
         dq_accum = args[14]
         assert (dq_accum.block_shape[-1], dq_accum.shape[-1]) == (width // 2, d)
+        assert args[-1] == d  # HEAD_DIM: a varlen batch's masked dK / dV stores stop there
     _, args = bwd_dq.kernel_args(pb, q, k, v, do, dq, stat, delta, p, cfg.dq_block_n, cfg.dq_stages)
     assert [x.block_shape[-1] for x in args[:5]] == [width] * 5  # q, k, v, dout, dq
     assert [x.shape[-1] for x in args[:5]] == [d] * 5
+    assert args[-1] == d  # HEAD_DIM: a varlen batch's masked dQ stores stop there

@@ -8,7 +8,7 @@
 
     head dims on the Hopper tier: 64, 128, 256 as they are; 96 and 192 computed as 128 and
                  256 (hopper.common.PADDED_HEAD_DIMS: TMA boxes of the tile's width over
-                 the tensor's head dim), on dense batches without seqused only
+                 the tensor's head dim)
     forward:  sm90 and hopper_fwd_supports(...) -> Gluon forward, tile configs.SM90_HOPPER_FWD
                  (dense or varlen batches, headdim == headdim_v in hopper.fwd.HEAD_DIMS
                  = {64, 96, 128, 192, 256}; TMA-aligned strides, seqlen_k > 0);
@@ -47,7 +47,7 @@ from .kernels.fwd import flash_fwd_kernel
 try:  # Gluon ships with triton >= 3.5; the portable tier does not need it
     from .kernels.hopper import bwd as hopper_bwd
     from .kernels.hopper import fwd as hopper_fwd
-    from .kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim, tma_compatible
+    from .kernels.hopper.common import kernel_head_dim, tma_compatible
 except ImportError:  # pragma: no cover
     hopper_fwd = hopper_bwd = None
 
@@ -103,9 +103,6 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in module.HEAD_DIMS:
         return f"head dims ({d}, {dv}) (needs equal, one of {module.HEAD_DIMS})"
-    if d in PADDED_HEAD_DIMS and (cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None):
-        return (f"head dim {d} on a varlen batch or with seqused (computed as "
-                f"{kernel_head_dim(d)}: dense batches only)")
     if not tma_compatible(q, k, v):
         return "strides or base pointers not 16-byte aligned (TMA)"
     return ""

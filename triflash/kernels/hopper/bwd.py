@@ -3,9 +3,9 @@ dK and dV, and dQ either in the same kernel, added in L2 by TMA reduce-add
 (deterministic=False on a dense batch, where the tile has ``atomic_dq``: 5 matmuls), or in
 the Gluon dQ kernel (``hopper/bwd_dq.py``; 7 matmuls, no atomics, bitwise reproducible).
 Dispatched on sm90 for dense and varlen batches at head dim 64 and 128 (= headdim_v; 256:
-``hopper/bwd256.py``'s dK/dV kernel), and for dense batches at 96 / 192 computed as 128 / 256
+``hopper/bwd256.py``'s dK/dV kernel), and at 96 / 192 computed as 128 / 256
 (``common.kernel_head_dim``: boxes of the tile's width over the tensor's head dim, loads
-zero-filled past it, TMA stores clipped); tiles in ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
+zero-filled past it, TMA stores clipped, masked stores stopped at ``HEAD_DIM``); tiles in ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
 Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
@@ -73,7 +73,7 @@ from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, de
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
-HEAD_DIMS = (64, 96, 128, 192, 256)  # dispatched (= headdim_v); 96 / 192 as 128 / 256, dense only
+HEAD_DIMS = (64, 96, 128, 192, 256)  # dispatched (= headdim_v); 96 / 192 computed as 128 / 256
 VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked dK/dV/dQ stores
 SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split over the warpgroups)
 
@@ -272,7 +272,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  C: gl.constexpr):
+                  C: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys."""
@@ -323,9 +323,9 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     if IS_VARLEN:
         row0 = start_k + key_start
         _store_rows(k_buf, DK_OUT + head_kv.to(gl.int64) * stride_dkh + row0.to(gl.int64) * stride_dkn,
-                    stride_dkn, len_k - key_start)
+                    stride_dkn, len_k - key_start, HEAD_DIM)
         _store_rows(v_buf, DV_OUT + head_kv.to(gl.int64) * stride_dvh + row0.to(gl.int64) * stride_dvn,
-                    stride_dvn, len_k - key_start)
+                    stride_dvn, len_k - key_start, HEAD_DIM)
     else:
         fence_async_shared()
         tma.async_copy_shared_to_global(dk_desc, [tma_batch, key_start, head_kv, 0], _tma_view(k_buf, dk_desc))
@@ -342,7 +342,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                       ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -395,14 +395,14 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                           tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -471,7 +471,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs]
+            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1]]  # .., HEAD_DIM
 
 
 def stats(pb, out, dout, lse):
@@ -508,8 +508,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     and not ``deterministic`` (dense only), fp32 atomics inside the dK/dV kernel
     (dq = dq_accum * scale)."""
     pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    d = kernel_head_dim(q.shape[-1])  # 96 / 192: computed as 128 / 256 (dense batches)
-    assert d == q.shape[-1] or not pb.varlen, "padded head dims: dense batches only"
+    d = kernel_head_dim(q.shape[-1])  # 96 / 192: computed as 128 / 256
     cfg = cfg or configs.SM90_HOPPER_BWD[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()

@@ -119,7 +119,8 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
                  qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
-                 IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
+                 IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -152,7 +153,7 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
     _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
-                      len_q, IS_VARLEN)
+                      len_q, IS_VARLEN, HEAD_DIM)
 
 
 @gluon.jit
@@ -164,7 +165,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                      STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -195,14 +196,14 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM)),
          (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, k_ring, v_ring, kv_ready,
                          kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM)),
          (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                        kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -225,7 +226,7 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
             pb.section_heads(k, v, params), *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
-            params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs]
+            params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs, q.shape[-1]]  # .., HEAD_DIM
     return (num_m_blocks * pb.nheads * pb.batch,), args
 
 

@@ -218,14 +218,14 @@ def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
 
 @gluon.jit
 def _store_query_tile(buf, desc, PTR, stride_row, stride_head, tma_batch, head, start_q, row0, len_q,
-                      IS_VARLEN: gl.constexpr):
+                      IS_VARLEN: gl.constexpr, NCOLS: gl.constexpr):
     """A staged [rows, dim] output tile of query rows ``row0 + i`` of a sequence (O, dQ) to
     global memory: a TMA store (clipped at a dense sequence's end), or masked stores where a
     box would run into the next varlen sequence's rows (``PTR``: the tensor, seen (total,
-    heads, dim))."""
+    heads, dim)), its first ``NCOLS`` columns (the tensor's head dim)."""
     if IS_VARLEN:
         _store_rows(buf, PTR + head.to(gl.int64) * stride_head + (start_q + row0).to(gl.int64) * stride_row,
-                    stride_row, len_q - row0)
+                    stride_row, len_q - row0, NCOLS)
     else:
         fence_async_shared()
         tma.async_copy_shared_to_global(desc, [tma_batch, row0, head, 0], _tma_view(buf, desc))
@@ -233,11 +233,12 @@ def _store_query_tile(buf, desc, PTR, stride_row, stride_head, tma_batch, head, 
 
 
 @gluon.jit
-def _store_rows(buf, PTR, stride_row, nrows):
-    """Rows [0, nrows) of the 2D shared tile ``buf`` to ``PTR + row * stride_row + col``
-    (``PTR``: its first row and column), where a TMA box would run into the next varlen
-    sequence's rows: 8 or 16 rows per step (8-16 elements per thread keep the 64-bit
-    addresses in few registers; 8 rows at least, the tile's swizzle period)."""
+def _store_rows(buf, PTR, stride_row, nrows, NCOLS: gl.constexpr):
+    """Rows [0, nrows), columns [0, NCOLS) of the 2D shared tile ``buf`` to ``PTR + row *
+    stride_row + col`` (``PTR``: its first row and column; NCOLS < the tile's width: a
+    padded head dim), where a TMA box would run into the next varlen sequence's rows: 8 or
+    16 rows per step (8-16 elements per thread keep the 64-bit addresses in few registers;
+    8 rows at least, the tile's swizzle period)."""
     R: gl.constexpr = buf.shape[0]
     C: gl.constexpr = buf.shape[1]
     TC: gl.constexpr = 16 if C >= 128 else C // 8
@@ -246,8 +247,12 @@ def _store_rows(buf, PTR, stride_row, nrows):
     cols = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, blk)), 0)
     for r in gl.static_range(0, R, CH):
         rows = r + gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
+        if NCOLS < C:
+            ok = gl.expand_dims(rows < nrows, 1) & (cols < NCOLS)
+        else:
+            ok = gl.expand_dims(rows < nrows, 1)
         gl.store(PTR + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + cols,
-                 buf.slice(r, CH).load(blk), mask=gl.expand_dims(rows < nrows, 1))
+                 buf.slice(r, CH).load(blk), mask=ok)
 
 
 # ---- launches without Triton's per-call argument binding ------------------------------------
@@ -359,9 +364,8 @@ def stat_descriptor(x, rows=64):
 
 # Head dims the Hopper kernels compute at the next tile width (their TMA boxes are that wide:
 # loads zero-fill the columns past the head dim, which adds 0 to every score and to every
-# product, and TMA stores clip them; register stores mask them). Dense batches without
-# seqused only (a varlen batch's outputs leave by masked stores of the whole tile width):
-# dispatch.padded_head_dim_excluded.
+# product, and TMA stores clip them; register stores, and a varlen batch's masked stores
+# of staged tiles (``_store_rows``), stop at the head dim).
 PADDED_HEAD_DIMS = {96: 128, 192: 256}
 
 

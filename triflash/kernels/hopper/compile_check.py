@@ -109,7 +109,7 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers,
-               q_slots=args[-2], scheduled=args[-1])
+               q_slots=args[-3], scheduled=args[-2])
     if varlen:
         row["varlen"] = True
     if kvcache:
@@ -161,20 +161,21 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
 def all_fwd(dtypes=("bf16", "fp16")):
     """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes, varlen in bf16, and the
     KV-cache form (dense, seqused_k) in bf16 with causal and with window + softcap; the
-    padded head dims (96, 192: dense only) in bf16."""
+    padded head dims (96, 192) in bf16, dense, varlen and the KV-cache form."""
     from .. import configs
     from .common import PADDED_HEAD_DIMS
     dims = sorted(configs.SM90_HOPPER_FWD)
+    every = dims + sorted(PADDED_HEAD_DIMS)
     return ([compile_fwd(d, dt, f) for d in dims for dt in dtypes for f in FEATURES]
-            + [compile_fwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
-            + [compile_fwd(d, "bf16", f, kvcache=True) for d in dims for f in ("causal", "window-softcap")]
-            + [compile_fwd(d, "bf16", f) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES])
+            + [compile_fwd(d, "bf16", f) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES]
+            + [compile_fwd(d, "bf16", f, varlen=True) for d in every for f in FEATURES]
+            + [compile_fwd(d, "bf16", f, kvcache=True) for d in every for f in ("causal", "window-softcap")])
 
 
 def all_bwd(dtypes=("bf16", "fp16")):
     """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16;
     where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too; the
-    padded head dims (96, 192: dense only) in bf16."""
+    padded head dims (96, 192) in bf16, dense and varlen."""
     from .. import configs
     from .common import PADDED_HEAD_DIMS, kernel_head_dim
     dims = sorted(configs.SM90_HOPPER_BWD)
@@ -183,12 +184,14 @@ def all_bwd(dtypes=("bf16", "fp16")):
     return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes for f in FEATURES for a in modes[d]]
             + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
             + [compile_bwd(d, "bf16", f, a) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES
-               for a in modes[d]])
+               for a in modes[d]]
+            + [compile_bwd(d, "bf16", f, varlen=True) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES])
 
 
 def all_dq(dtypes=("bf16", "fp16")):
     """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it,
-    dense in both dtypes and varlen in bf16; the padded head dims (96, 192) dense in bf16."""
+    dense in both dtypes and varlen in bf16; the padded head dims (96, 192) dense and varlen
+    in bf16."""
     from .. import configs
     from .common import PADDED_HEAD_DIMS
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
@@ -197,8 +200,8 @@ def all_dq(dtypes=("bf16", "fp16")):
              for dt in dtypes for f in FEATURES]
             + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=True) for d, c in tiles
                for f in FEATURES]
-            + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages) for d, c in padded if c.gluon_dq
-               for f in FEATURES])
+            + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=v) for d, c in padded if c.gluon_dq
+               for f in FEATURES for v in (False, True)])
 
 
 def code_of(ptx: str) -> str:
