@@ -140,7 +140,7 @@ def test_forward_walks():
                                         (masked, -1, 5, False)):
         p = AttnParams(0.1, -1, right, 0.0, 300, 200)
         g, args = fwd.kernel_args(q, k, k, out, lse, p, cfg, num_sms=5)
-        assert g == (grid,) and args[-1] is scheduled
+        assert g == (grid,) and args[-2] is scheduled  # (..., Q_SLOTS, SCHEDULED, HEAD_DIM)
         sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
         assert len(sched) == int(scheduled)
         if scheduled:
@@ -174,7 +174,7 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     p = AttnParams(0.1, -1, 0, 0.0, 300, 200)
     monkeypatch.setattr(fwd, "schedule_table", lambda *a, **kw: None)
     g, args = fwd.kernel_args(q, k, k, torch.empty_like(q), torch.empty(2, 4, 300), p, cfg, num_sms=5)
-    assert g == (2 * 4 * -(-300 // (64 * cfg.num_consumers)),) and args[-1] is False and args[-2] == 1
+    assert g == (2 * 4 * -(-300 // (64 * cfg.num_consumers)),) and args[-2] is False and args[-3] == 1
     assert not [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
 
 
