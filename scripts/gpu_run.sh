@@ -4,11 +4,13 @@
 #   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags
 #   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes); BENCH_ROUNDS:
 #   interleaved timing rounds per case (default 3, the median kept); TEST_WORKERS: pytest
-#   workers for the tests (default 8)
-# Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png}.
-# The two parts take ~430-535 s each (tests at 95274cf: 537 in 430 s; the bench with 3
-# rounds and FA4 isolated: 534 s): one device call each, PARTS=tests (TEST_TIMEOUT
-# default 560) and PARTS=bench (h200.json is rewritten after every case). The
+#   workers for the tests (default 12)
+# Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png} (PARTS=headdims:
+# headdims.json, headdims.png, bench-headdims.txt: --preset headdims).
+# The two parts take ~260-535 s each (tests at be2df44: 651 in 263 s with 12 workers, 430 s
+# with 8 at 95274cf; the bench with 3 rounds and FA4 isolated: 453-534 s): one device call
+# each, PARTS=tests (TEST_TIMEOUT default 560) and PARTS=bench (h200.json is rewritten after
+# every case). The
 # 1k-16k sweep runs triflash and the SDPA backends; the other variants and FlexAttention run
 # at seqlen 8192 only.
 set -u
@@ -27,7 +29,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS="${PARTS:-tests bench}"
 # 1. GPU tests: the same files as CI, sizes scaled up when CUDA is present (-v: each test's
 #    worker and outcome, so a CUDA fault that poisons a worker can be traced to its test).
-[[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-560}" python3 -m pytest tests -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
+[[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-560}" python3 -m pytest tests -n "${TEST_WORKERS:-12}" -p no:cacheprovider \
   -m "not sm90" -p no:logging --tb=short -v --ignore=tests/test_bench_cpu.py > "$OUT_DIR/gpu-tests.txt" 2>&1
 [[ " $PARTS " == *" tests "* ]] && tail -n 30 "$OUT_DIR/gpu-tests.txt"
 
@@ -37,3 +39,10 @@ PARTS="${PARTS:-tests bench}"
   --only-seqlens flex=8192 --only-seqlens triflash-portable=8192 --only-seqlens triflash-varlen=8192 \
   --only-seqlens triflash-deterministic=8192 --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" --out "$OUT_DIR/h200.json" --plot "$OUT_DIR/h200.png" 2>&1 \
   | tee "$OUT_DIR/bench-full.txt" | tail -n 80 | tee "$OUT_DIR/bench.txt"
+
+# 3. Every tuned head dim at 2 x 8192 (~215 s with FA4): PARTS=headdims, a call of its own.
+[[ " $PARTS " == *" headdims "* ]] && timeout "${BENCH_TIMEOUT:-560}" python3 -m triflash.bench --preset headdims \
+  --commit "$COMMIT" --impls "${IMPLS:-triflash,triflash-portable,sdpa-cudnn,sdpa-flash,fa2,fa3,fa4}" ${BENCH_ARGS:-} \
+  --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" --out "$OUT_DIR/headdims.json" --plot "$OUT_DIR/headdims.png" 2>&1 \
+  | tee "$OUT_DIR/bench-headdims-full.txt" | tail -n 40 | tee "$OUT_DIR/bench-headdims.txt"
+exit 0

@@ -29,9 +29,11 @@ def _check_rows(out, lse, q, k_cache, v_cache, lens, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("seqlens", ["tensor", "int"])
-# (64/128/256, equal head dims: the Hopper forward on sm90; the others: the portable one)
+# (64/96/128/192/256, equal head dims: the Hopper forward on sm90, 96 / 192 computed as
+# 128 / 256; the others: the portable one)
 @pytest.mark.parametrize("d,dv,h,hk,sq", [(64, 64, 4, 2, 1), (40, 40, 2, 2, 7), (64, 32, 6, 1, 3),
-                                          (128, 128, 4, 4, 5), (256, 256, 2, 1, 1)])
+                                          (128, 128, 4, 4, 5), (256, 256, 2, 1, 1), (96, 96, 3, 1, 9),
+                                          (192, 192, 2, 2, 2)])
 def test_kvcache_append_then_attend(dtype, mask, seqlens, d, dv, h, hk, sq):
     torch.manual_seed(0)
     causal, window, softcap = MASKS[mask]
