@@ -54,7 +54,8 @@ def _apply_overrides(spec):
     kw = {}
     for item in spec.split(","):
         key, val = item.split("=")
-        kw[key] = bool(int(val)) if key in ("pingpong", "persistent", "persistent_masked") else int(val)
+        kw[key] = bool(int(val)) if key in ("pingpong", "persistent", "persistent_masked", "persistent_unmasked",
+                                            "packed_cvt") else int(val)
     for d in list(configs.SM90_HOPPER_FWD):
         configs.SM90_HOPPER_FWD[d] = dataclasses.replace(configs.SM90_HOPPER_FWD[d], **kw)
 

@@ -82,7 +82,7 @@ def test_padded_head_dims_backward_boxes(d, width):
     if width == 256:
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1)
         assert [x.block_shape[-1] for x in args[:4]] == [128] * 4
-        assert args[-1] == d  # HEAD_DIM: WG1 stores columns [128, d) only
+        assert args[-2] == d  # HEAD_DIM: WG1 stores columns [128, d) only (then PACKED_CVT)
     else:
         args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, True)
         descs = args[:6]  # q, k, v, dout, dk, dv
@@ -90,7 +90,7 @@ def test_padded_head_dims_backward_boxes(d, width):
         assert [x.shape[-1] for x in descs] == [d] * 6
         dq_accum = args[14]
         assert (dq_accum.block_shape[-1], dq_accum.shape[-1]) == (width // 2, d)
-        assert args[-1] == d  # HEAD_DIM: a varlen batch's masked dK / dV stores stop there
+        assert args[-2] == d  # HEAD_DIM: a varlen batch's masked dK / dV stores stop there
     _, args = bwd_dq.kernel_args(pb, q, k, v, do, dq, stat, delta, p, cfg.dq_block_n, cfg.dq_stages)
     assert [x.block_shape[-1] for x in args[:5]] == [width] * 5  # q, k, v, dout, dq
     assert [x.shape[-1] for x in args[:5]] == [d] * 5

@@ -214,3 +214,21 @@ def test_hopper_dq_compiles_for_sm90a():
         budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         _check_row(r, budget.get((r["feature"], r["headdim"]), 0))
         assert r["atomics"] == 0, r
+
+
+def test_packed_cvt_variants_compile_for_sm90a():
+    """The ``packed_cvt`` variants (``hopper.common.to_16bit``: 16-bit P / dS two at a time;
+    built in session 12, not dispatched until measured): the forward's PTX keeps no
+    one-at-a-time conversion (384 at head dim 128 without), the head-dim-256 dK/dV kernel only
+    its epilogue's 64 (96-128 without); resources within the dispatched tiles' budgets."""
+    rows = _compiled("packed")
+    assert {r["kernel"] for r in rows} == {"hopper_fwd", "hopper_bwd256"}
+    for r in rows:
+        assert r["packed_cvt"], r
+        if r["kernel"] == "hopper_fwd":
+            assert r["scalar_cvt"] == 0, r
+            budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
+        else:
+            assert r["scalar_cvt"] <= 64, r
+            budget = HOPPER_BWD_SPILL_BUDGET
+        _check_row(r, budget.get((r["feature"], r["headdim"]), 0))

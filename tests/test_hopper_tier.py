@@ -143,6 +143,33 @@ def test_hopper_bwd_padded_head_dims_strided(d):
     assert max_err(got, dref) <= fa_tolerance(dref, dpt)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
+def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
+    """The ``packed_cvt`` tiles (``hopper.common.to_16bit``: 16-bit P / dS two at a time;
+    built in session 12, not dispatched until measured) give the dispatched kernels' bits:
+    the conversions round alike, and a pair landing in the wrong half of its register would
+    change them. Forward (out, lse) and deterministic backward."""
+    import dataclasses
+    from triflash.kernels import configs
+    causal, window, softcap = MASKS[mask]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v = (torch.randn(2, 777, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for h in (8, 2, 2))
+    dout = torch.randn(2, 777, 8, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def run():
+        with triflash.force_backend("hopper"):
+            out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                                deterministic=True, return_attn_probs=True)
+            return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+    dispatched = run()
+    for table in (configs.SM90_HOPPER_FWD, configs.SM90_HOPPER_BWD):
+        monkeypatch.setitem(table, d, dataclasses.replace(table[d], packed_cvt=True))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dispatched, run()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_hopper_bwd_reproducible(d):
     """deterministic=True is bitwise reproducible at every head dim; so is deterministic=False

@@ -45,6 +45,9 @@ class HopperFwdConfig:
     stages: int
     num_consumers: int = 2
     pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
+    # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
+    # wgmma; the same values). Off until measured on the H200 (built in session 12).
+    packed_cvt: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
@@ -92,6 +95,10 @@ class HopperBwdConfig:
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
+    # P^T and dS^T to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before
+    # the wgmmas that read them from registers; the same values). Off until measured on the
+    # H200 (built in session 12).
+    packed_cvt: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

@@ -69,7 +69,7 @@ from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, kernel_head_dim, launch,
-                     stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add)
+                     stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -150,7 +150,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               tma_batch, head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2,
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, C: gl.constexpr):
+              ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
     returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ."""
     KR: gl.constexpr = k_buf.shape[0]
@@ -201,7 +201,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         if HAS_LEFT:
             ok = ok & (diff >= len_k - len_q - window_left)
         p = gl.where(ok, p, 0.0)
-    p_op = gl.convert_layout(p.to(dtype), op_layout)
+    p_op = gl.convert_layout(to_16bit(p, dtype, PACKED_CVT), op_layout)
     if SOFTCAP:
         p = p * (1.0 - t * t)  # the softcap derivative, folded in before t dies
         mbarrier.wait(do_ready.index(stage), phase)
@@ -211,7 +211,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     # dV += P^T dO, P^T from registers
     dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
-    ds = (p * dp).to(dtype)  # dS^T = P^T (dP^T - Delta)
+    ds = to_16bit(p * dp, dtype, PACKED_CVT)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
         # dS^T to this warpgroup's tile of shared slot it & 1, for both warpgroups' dQ
         # wgmmas (``ds_bars`` 0 / 1: the slot written by both). A warpgroup writes slot
@@ -272,7 +272,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr):
+                  C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys."""
@@ -307,7 +307,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C)
+                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT)
     if ATOMIC_DQ:
         # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
         # epilogue overwrites: both arrive (count 2) once theirs have retired.
@@ -342,7 +342,8 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                       ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      PACKED_CVT: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -395,14 +396,14 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                           tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -471,7 +472,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1]]  # .., HEAD_DIM
+            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt]  # .., HEAD_DIM, PACKED_CVT
 
 
 def stats(pb, out, dout, lse):
@@ -530,7 +531,8 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
-        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1)
+        bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg.stages, cfg.ds_wg1,
+                      cfg.packed_cvt)
         atomic_dq = False
     elif atomic_dq:
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
-from .common import _acc_layout, _key_tile, descriptor, kernel_head_dim, stat_descriptor
+from .common import _acc_layout, _key_tile, descriptor, kernel_head_dim, stat_descriptor, to_16bit
 from .common import launch as launch_kernel
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
@@ -55,7 +55,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr):
+               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
@@ -103,7 +103,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     if HAS_LEFT:
                         ok = ok & (diff >= len_k - len_q - window_left)
                     p = gl.where(ok, p, 0.0)
-                p16 = p.to(dtype)
+                p16 = to_16bit(p, dtype, PACKED_CVT)
                 # P^T for WG1's half of dV (and its dS^T with DS_WG1)
                 mbarrier.wait(pt_free, x ^ 1)
                 pt_buf.store(p16)
@@ -125,7 +125,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     mbarrier.wait(dp_ready, x)
                     dp = dp_buf.load(s_layout)
                     mbarrier.arrive(dp_free)
-                    ds16 = (p * dp).to(dtype)
+                    ds16 = to_16bit(p * dp, dtype, PACKED_CVT)
                     mbarrier.wait(ds_free, x ^ 1)
                     ds_buf.store(ds16)
                     fence_async_shared()
@@ -159,7 +159,8 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-               STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr):
+               STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
+               PACKED_CVT: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM)."""
     dtype: gl.constexpr = k_bufs.dtype
@@ -183,7 +184,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
         if DS_WG1:
             mbarrier.wait(pt_ready, x)
             dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
-            ds16 = (pt_buf.load(s_layout).to(gl.float32) * dp).to(dtype)
+            ds16 = to_16bit(pt_buf.load(s_layout).to(gl.float32) * dp, dtype, PACKED_CVT)
             mbarrier.wait(ds_free, x ^ 1)
             ds_buf.store(ds16)
             fence_async_shared()
@@ -239,7 +240,8 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
+                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         PACKED_CVT: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -287,12 +289,12 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       STAGES, DS_WG1, HEAD_DIM)),
+                       STAGES, DS_WG1, HEAD_DIM, PACKED_CVT)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -301,7 +303,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
 
 
 def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
-                loader_regs=24, consumer_regs=240):
+                loader_regs=24, consumer_regs=240, packed_cvt=False):
     """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
     views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``."""
     d = q.shape[-1]
@@ -313,10 +315,11 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs, d]
+            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs, d, packed_cvt]
     return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 
-def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False):
-    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1)
+def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False, packed_cvt=False):
+    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1,
+                             packed_cvt=packed_cvt)
     launch_kernel(hopper_bwd256_kernel, grid, args)

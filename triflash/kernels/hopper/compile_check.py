@@ -137,7 +137,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
-        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1)
+        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1,
+                                     packed_cvt=cfg.packed_cvt)
         return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
@@ -204,6 +205,27 @@ def all_dq(dtypes=("bf16", "fp16")):
                for f in FEATURES for v in (False, True)])
 
 
+def all_packed():
+    """The ``packed_cvt`` variants (16-bit P / dS conversions two at a time, not dispatched
+    yet): the forward at every tile, plain and causal, and the head-dim-256 dK/dV kernel
+    (where LLVM's conversions were one at a time), bf16; each row with ``scalar_cvt``, the
+    one-at-a-time conversions left in its PTX (the epilogue's)."""
+    import dataclasses
+
+    from .. import configs
+    rows = []
+    for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
+        for f in ("plain", "causal"):
+            rows.append(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=True)))
+    for f in ("plain", "causal", "window-softcap"):
+        rows.append(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_BWD[256],
+                                                                         packed_cvt=True)))
+    for r in rows:
+        r["packed_cvt"] = True
+        r["scalar_cvt"] = r["ptx"].count("cvt.rn.bf16.f32")
+    return rows
+
+
 def code_of(ptx: str) -> str:
     """The instructions of a PTX module without debug sections, labels and source-file
     lines (moving a helper to another file changes only those): two kernels
@@ -213,7 +235,7 @@ def code_of(ptx: str) -> str:
                      if "$L__tmp" not in line and not line.lstrip().startswith((".loc", ".file")))
 
 
-PARTS = ("fwd", "bwd", "dq")
+PARTS = ("fwd", "bwd", "dq", "packed")
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:
@@ -239,11 +261,14 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
+    ap.add_argument("--packed", action="store_true", help="the packed_cvt variants (not dispatched)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    if a.dq:
+    if a.packed:
+        rows = all_packed()
+    elif a.dq:
         rows = all_dq()
     elif a.bwd:
         rows = all_bwd()
