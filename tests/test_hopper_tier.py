@@ -118,17 +118,9 @@ def test_hopper_bwd_padded_head_dims_strided(d):
     qkv = torch.full((2, 700, 3, 4, d + 32), float("nan"), device="cuda", dtype=torch.bfloat16)
     qkv[..., :d] = torch.randn(2, 700, 3, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
     qkv_view = qkv[..., :d].detach().requires_grad_()
-    with triflash.force_backend("hopper"):
-        out = triflash.flash_attn_qkvpacked_func(qkv_view, causal=True)
-        dout = torch.randn_like(out)
-        (dqkv,) = torch.autograd.grad(out, qkv_view, dout)
-    q, k, v = qkv_view.unbind(2)
-    ref, _ = attention_ref(q, k, v, causal=True)
-    pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
-    (dref,) = torch.autograd.grad(ref, qkv_view, dout)
-    (dpt,) = torch.autograd.grad(pt, qkv_view, dout)
+    out, dout, dqkv, dref, dpt = _check_qkvpacked_causal(qkv_view)
     assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
-    assert max_err(dqkv, dref) <= fa_tolerance(dref, dpt)
+    q, k, v = qkv_view.unbind(2)
     # the backward's own kernels writing into strided views of poisoned wider rows
     from triflash.kernels.portable import AttnParams
     grads = torch.full((2, 700, 3, 4, d + 32), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -188,9 +180,10 @@ def test_hopper_bwd_reproducible(d):
             assert torch.equal(a, b)
 
 
-def test_hopper_qkvpacked_writes_views():
-    g = torch.Generator().manual_seed(9)
-    qkv = torch.randn(2, 300, 3, 4, 128, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+def _check_qkvpacked_causal(qkv):
+    """Causal ``flash_attn_qkvpacked_func`` on the Hopper tier and its dqkv (written by the
+    backward into views of one buffer) against the fp32 reference under FA3's rule; returns
+    (out, dout, dqkv, dqkv_ref, dqkv of the same computation in the input dtype)."""
     with triflash.force_backend("hopper"):
         out = triflash.flash_attn_qkvpacked_func(qkv, causal=True)
         dout = torch.randn_like(out)
@@ -201,6 +194,13 @@ def test_hopper_qkvpacked_writes_views():
     (dref,) = torch.autograd.grad(ref, qkv, dout)
     (dpt,) = torch.autograd.grad(pt, qkv, dout)
     assert max_err(dqkv, dref) <= fa_tolerance(dref, dpt)
+    return out, dout, dqkv, dref, dpt
+
+
+def test_hopper_qkvpacked_writes_views():
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(2, 300, 3, 4, 128, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    _check_qkvpacked_causal(qkv)
 
 
 def test_unserved_cases_fall_back_or_are_refused():

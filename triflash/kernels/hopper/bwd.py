@@ -5,7 +5,8 @@ the Gluon dQ kernel (``hopper/bwd_dq.py``; 7 matmuls, no atomics, bitwise reprod
 Dispatched on sm90 for dense and varlen batches at head dim 64 and 128 (= headdim_v; 256:
 ``hopper/bwd256.py``'s dK/dV kernel), and at 96 / 192 computed as 128 / 256
 (``common.kernel_head_dim``: boxes of the tile's width over the tensor's head dim, loads
-zero-filled past it, TMA stores clipped, masked stores stopped at ``HEAD_DIM``); tiles in ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
+zero-filled past it, TMA stores clipped, masked stores stopped at ``HEAD_DIM``); tiles in
+``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
 Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of

@@ -219,7 +219,7 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
     bm = ROWS_PER_CONSUMER
     num_m_blocks = ceil_div(pb.seqlen_q, bm * num_consumers)
     qk_scale, softcap_log2 = params.score_constants()
-    d = kernel_head_dim(q.shape[-1])  # 96 / 192: boxes 128 / 256 wide (dense batches)
+    d = kernel_head_dim(q.shape[-1])  # 96 / 192: boxes 128 / 256 wide
     args = [descriptor(q, bm, d), descriptor(k, block_n, d), descriptor(v, block_n, d), descriptor(dout, bm, d),
             descriptor(dq, bm, d), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,

@@ -39,9 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, scores, visible
-from .common import (PADDED_HEAD_DIMS, Problem, _acc_layout, _seq_query_tile, _store_query_tile,  # noqa: F401
-                     _tile_at, _tile_walk, _tma_view, descriptor, kernel_head_dim, launch, num_sms,
-                     persistent_walk, schedule_table, to_16bit)
+from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
+                     descriptor, kernel_head_dim, launch, num_sms, persistent_walk, schedule_table, to_16bit)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
