@@ -222,12 +222,16 @@ def test_packed_cvt_variants_compile_for_sm90a():
     one-at-a-time conversion (384 at head dim 128 without), the head-dim-256 dK/dV kernel only
     its epilogue's 64 (96-128 without); resources within the dispatched tiles' budgets."""
     rows = _compiled("packed")
-    assert {r["kernel"] for r in rows} == {"hopper_fwd", "hopper_bwd256"}
+    assert {r["kernel"] for r in rows} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
+    assert any(r.get("tma_epilogue") and r.get("full_first") for r in rows)
     for r in rows:
         assert r["packed_cvt"], r
         if r["kernel"] == "hopper_fwd":
             assert r["scalar_cvt"] == 0, r
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
+        elif r["kernel"] == "hopper_dq":
+            assert r["scalar_cvt"] <= 64, r  # the epilogue's dQ
+            budget = HOPPER_DQ_SPILL_BUDGET
         else:
             assert r["scalar_cvt"] <= 64, r
             budget = HOPPER_BWD_SPILL_BUDGET

@@ -162,6 +162,25 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [192, 256])
+def test_hopper_bwd256_full_first_tma_epilogue(d, mask, shape, monkeypatch):
+    """The head-dim-256 dK/dV kernel's ``full_first`` (unmasked query blocks first: the
+    loader's and WG0's orders must agree, or the ring hands WG0 the wrong block) and
+    ``tma_epilogue`` (dK / dV out through the K / V half tiles, clipped at the sequence's end
+    and at head dim 192) options, with ``packed_cvt``, against the fp32 reference; a
+    varlen batch keeps its register stores."""
+    import dataclasses
+    from triflash.kernels import configs
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(
+        configs.SM90_HOPPER_BWD[256], full_first=True, tma_epilogue=True, packed_cvt=True))
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, seed=d + sk)
+
+
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_hopper_bwd_reproducible(d):
     """deterministic=True is bitwise reproducible at every head dim; so is deterministic=False

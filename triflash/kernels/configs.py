@@ -99,6 +99,12 @@ class HopperBwdConfig:
     # the wgmmas that read them from registers; the same values). Off until measured on the
     # H200 (built in session 12).
     packed_cvt: bool = False
+    # Head dim 256 only, off until measured (built in session 13): each key tile's unmasked
+    # query blocks first, its masked ones (causal diagonal, window edges) after them
+    # (``bwd.full_first_block``); and dK / dV out through the K / V half tiles by TMA stores
+    # on dense batches instead of register stores.
+    full_first: bool = False
+    tma_epilogue: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

@@ -36,11 +36,11 @@ Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
-from .common import _acc_layout, _key_tile, descriptor, kernel_head_dim, stat_descriptor, to_16bit
+from .common import _acc_layout, _key_tile, _tma_view, descriptor, kernel_head_dim, stat_descriptor, to_16bit
 from .common import launch as launch_kernel
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
@@ -54,8 +54,10 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
+               dk_desc, dv_desc,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr):
+               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr,
+               FULL_FIRST: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
@@ -74,10 +76,21 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
     count = m_max - m_min
     bounds = (m_min, m_full_min, m_full_max, m_max)
     for g in range(group):
-        base = g * count - m_min
-        for seg in gl.static_range(3):
-            for m in range(bounds[seg], bounds[seg + 1]):
-                it = base + m
+        for i in gl.static_range(3):
+            # the loader's order (bwd._bwd_loader): ascending, or with FULL_FIRST the unmasked
+            # segment first; ``first`` is the segment's first ring slot
+            if FULL_FIRST:
+                lo = (m_full_min, m_min, m_full_max)[i]
+                hi = (m_full_max, m_full_min, m_max)[i]
+                first = g * count + (0, m_full_max - m_full_min, m_full_max - m_min)[i]
+                masked = i != 0
+            else:
+                lo = bounds[i]
+                hi = bounds[i + 1]
+                first = g * count + bounds[i] - m_min
+                masked = i != 1
+            for m in range(lo, hi):
+                it = first + (m - lo)
                 stage = it % STAGES
                 phase = (it // STAGES) & 1
                 x = it & 1  # exchange-barrier phase of this query block
@@ -94,7 +107,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     p = gl.exp2(t * softcap_log2 - lse)
                 else:
                     p = gl.exp2(s * qk_scale - lse)
-                if seg != 1:
+                if masked:
                     # as in bwd.py: (key - query) differences against scalar thresholds
                     diff = gl.expand_dims(keys - (m + (m >> 31)) * BM, 1) - gl.expand_dims(qcols0, 0)
                     ok = gl.expand_dims(keys < len_k, 1)
@@ -133,10 +146,16 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
-    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
-                start_k, key0, len_k, 0, o_layout, 2 * H)
-    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, 0,
-                o_layout, 2 * H)
+    if TMA_EPILOGUE:
+        # K half 0 is read by WG0 only; V half 0 by WG1's dP'^T, whose last one retired
+        # before WG1's last dS^T / dP'^T hand-off that WG0 waited for above
+        _store_half_tma(dk * softmax_scale, dv, k_bufs.index(0), v_bufs.index(0), dk_desc, dv_desc,
+                        tma_batch, key0, head_kv, 0)
+    else:
+        _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
+                    start_k, key0, len_k, 0, o_layout, 2 * H)
+        _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, 0,
+                    o_layout, 2 * H)
 
 
 @gluon.jit
@@ -159,8 +178,9 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
+               dk_desc, dv_desc,
                STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
-               PACKED_CVT: gl.constexpr):
+               PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM)."""
     dtype: gl.constexpr = k_bufs.dtype
@@ -208,10 +228,29 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
             mbarrier.arrive(pt_free)
             mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
-    _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
-                start_k, key0, len_k, H, o_layout, HEAD_DIM)
-    _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, H,
-                o_layout, HEAD_DIM)
+    if TMA_EPILOGUE:
+        # V half 1 is read by WG1 only; K half 1 by WG0's S^T, whose last one retired before
+        # WG0's last P^T hand-off that WG1 waited for above. The TMA store clips the
+        # columns past HEAD_DIM (192).
+        _store_half_tma(dk * softmax_scale, dv, k_bufs.index(1), v_bufs.index(1), dk_desc, dv_desc,
+                        tma_batch, key0, head_kv, H)
+    else:
+        _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
+                    start_k, key0, len_k, H, o_layout, HEAD_DIM)
+        _store_half(dv, DV, stride_dvb, stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key0, len_k, H,
+                    o_layout, HEAD_DIM)
+
+
+@gluon.jit
+def _store_half_tma(dk, dv, k_buf, v_buf, dk_desc, dv_desc, tma_batch, key0, head_kv, COL0: gl.constexpr):
+    """Dense batches: the [64 keys, 128] dK / dV halves through this warpgroup's own (no longer
+    read) K / V half tiles, out by TMA stores (rows past the sequence clipped)."""
+    k_buf.store(dk.to(k_buf.dtype))
+    v_buf.store(dv.to(v_buf.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [tma_batch, key0, head_kv, COL0], _tma_view(k_buf, dk_desc))
+    tma.async_copy_shared_to_global(dv_desc, [tma_batch, key0, head_kv, COL0], _tma_view(v_buf, dv_desc))
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -233,7 +272,7 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 
 
 @gluon.jit
-def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
+def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc,
                          DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
@@ -241,7 +280,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         PACKED_CVT: gl.constexpr):
+                         PACKED_CVT: gl.constexpr, FULL_FIRST: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -250,6 +289,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
     gl.static_assert(HEAD_DIM > H and HEAD_DIM <= 2 * H, "head dims 192 / 256 (columns past it are padding)")
+    gl.static_assert(not (TMA_EPILOGUE and IS_VARLEN), "TMA stores would cross into the next sequence")
 
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
      m_min, m_full_min, m_full_max, m_max) = _key_tile(
@@ -288,38 +328,45 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
-                       qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT)),
+                       qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, FULL_FIRST, TMA_EPILOGUE)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       STAGES, DS_WG1, HEAD_DIM, PACKED_CVT)),
+                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
-                        2, STAGES, True))],
+                        2, STAGES, True, m_full_min, m_full_max, FULL_FIRST))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False,
-                loader_regs=24, consumer_regs=240, packed_cvt=False):
+def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
     """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
-    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``."""
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``, ``cfg`` the
+    ``configs.HopperBwdConfig`` tile."""
     d = q.shape[-1]
     assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"
     qk_scale, softcap_log2 = params.score_constants()
-    args = [descriptor(q, BLOCK_M, HALF), descriptor(k, BLOCK_N, HALF), descriptor(v, BLOCK_N, HALF),
+    tma_epilogue = cfg.tma_epilogue and not pb.varlen
+    k_desc = descriptor(k, BLOCK_N, HALF)
+    v_desc = descriptor(v, BLOCK_N, HALF)
+    args = [descriptor(q, BLOCK_M, HALF), k_desc, v_desc,
             descriptor(dout, BLOCK_M, HALF), stat_descriptor(stat), stat_descriptor(delta),
+            # unused without the TMA epilogue: K's / V's descriptors stand in
+            descriptor(dk, BLOCK_N, HALF) if tma_epilogue else k_desc,
+            descriptor(dv, BLOCK_N, HALF) if tma_epilogue else v_desc,
             dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            ds_wg1 and params.softcap == 0.0, *pb.seq_flags, loader_regs, consumer_regs, d, packed_cvt]
+            cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
+            cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
+            cfg.packed_cvt, cfg.full_first, tma_epilogue]
     return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 
-def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, stages=2, ds_wg1=False, packed_cvt=False):
-    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, stages, ds_wg1,
-                             packed_cvt=packed_cvt)
+def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
+    """``cfg``: the ``configs.HopperBwdConfig`` tile."""
+    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg)
     launch_kernel(hopper_bwd256_kernel, grid, args)

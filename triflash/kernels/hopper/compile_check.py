@@ -137,8 +137,7 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
-        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg.stages, cfg.ds_wg1,
-                                     packed_cvt=cfg.packed_cvt)
+        _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
         return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
@@ -146,12 +145,12 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False) -> dict:
+               varlen: bool = False, packed_cvt: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
     ``stages``-deep ring; ``varlen``: packed sequences."""
     from . import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
                block_n=block_n, stages=stages)
     if varlen:
@@ -207,9 +206,10 @@ def all_dq(dtypes=("bf16", "fp16")):
 
 def all_packed():
     """The ``packed_cvt`` variants (16-bit P / dS conversions two at a time, not dispatched
-    yet): the forward at every tile, plain and causal, and the head-dim-256 dK/dV kernel
-    (where LLVM's conversions were one at a time), bf16; each row with ``scalar_cvt``, the
-    one-at-a-time conversions left in its PTX (the epilogue's)."""
+    yet): the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel (where
+    LLVM's conversions were one at a time) alone and with ``full_first`` + ``tma_epilogue``,
+    and the dQ kernel at every tile, bf16; each row with ``scalar_cvt``, the one-at-a-time
+    conversions left in its PTX (the epilogue's)."""
     import dataclasses
 
     from .. import configs
@@ -217,9 +217,14 @@ def all_packed():
     for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
         for f in ("plain", "causal"):
             rows.append(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=True)))
-    for f in ("plain", "causal", "window-softcap"):
-        rows.append(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_BWD[256],
-                                                                         packed_cvt=True)))
+    b256 = configs.SM90_HOPPER_BWD[256]
+    for extra in ({}, dict(full_first=True, tma_epilogue=True)):
+        for f in ("plain", "causal", "window-softcap"):
+            row = compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, packed_cvt=True, **extra))
+            rows.append(dict(row, **extra))
+    for d, c in sorted(configs.SM90_HOPPER_BWD.items()):
+        for f in ("plain", "causal"):
+            rows.append(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=True))
     for r in rows:
         r["packed_cvt"] = True
         r["scalar_cvt"] = r["ptx"].count("cvt.rn.bf16.f32")
