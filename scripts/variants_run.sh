@@ -7,8 +7,8 @@
 set -u
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-variants-out}"; mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee "$OUT_DIR/env.txt"
-echo "commit $COMMIT" >> "$OUT_DIR/env.txt"
+# (7 files come back: the device returns 8 at most)
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv; echo "commit $COMMIT"
 step() {  # step NAME TIMEOUT CMD...
   local name="$1" t="$2"; shift 2
   echo "== $name (timeout $t s)"
