@@ -16,14 +16,14 @@ step() {  # step NAME TIMEOUT CMD...
   timeout "$t" "$@" > "$OUT_DIR/$name.txt" 2>&1
   echo "rc=$? in $((SECONDS - t0)) s"; tail -n 12 "$OUT_DIR/$name.txt"
 }
-step tests "${T_TESTS:-170}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
+[[ -z "${SKIP_TESTS:-}" ]] && step tests "${T_TESTS:-170}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
   -k "full_first or packed_cvt"
 BV="${BWD_VARIANTS:-;packed_cvt=1;packed_cvt=1,full_first=1;packed_cvt=1,tma_epilogue=1;packed_cvt=1,full_first=1,tma_epilogue=1}"
 step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
-  --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag "-$COMMIT"
+  --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
 step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
-  --cases 2x8192x16x128 --variants ";packed_cvt=1" --out "$OUT_DIR" --tag "-$COMMIT"
+  --cases 2x8192x16x128 --variants ";packed_cvt=1" --out "$OUT_DIR" --tag="-$COMMIT"
 step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
   --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants ";packed_cvt=1" \
-  --out "$OUT_DIR" --tag "-$COMMIT"
+  --out "$OUT_DIR" --tag="-$COMMIT"
 exit 0
