@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call that measures tile options before they are dispatched (session 13:
-# packed_cvt everywhere; full_first / tma_epilogue in the head-dim-256 dK/dV kernel):
+# One device call that measures tile options against the dispatched tiles (session 13:
+# packed_cvt everywhere, tma_epilogue in the head-dim-256 dK/dV kernel; the variants are
+# --config specs, '' = as dispatched):
 # their GPU tests first, then forward and backward variants in interleaved rounds beside
 # cuDNN. Each step under its own timeout; results under OUT_DIR.
 # Usage (repo root, on the H200):  bash scripts/variants_run.sh COMMIT OUT_DIR
@@ -17,13 +18,13 @@ step() {  # step NAME TIMEOUT CMD...
   echo "rc=$? in $((SECONDS - t0)) s"; tail -n 12 "$OUT_DIR/$name.txt"
 }
 [[ -z "${SKIP_TESTS:-}" ]] && step tests "${T_TESTS:-170}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
-  -k "full_first or packed_cvt"
-BV="${BWD_VARIANTS:-;packed_cvt=1;packed_cvt=1,full_first=1;packed_cvt=1,tma_epilogue=1;packed_cvt=1,full_first=1,tma_epilogue=1}"
+  -k "${TEST_K:-packed_cvt}"
+BV="${BWD_VARIANTS:-;packed_cvt=0;tma_epilogue=0}"
 step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
 step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
-  --cases 2x8192x16x128 --variants ";packed_cvt=1" --out "$OUT_DIR" --tag="-$COMMIT"
+  --cases 2x8192x16x128 --variants "${BWD128_VARIANTS:-;packed_cvt=0}" --out "$OUT_DIR" --tag="-$COMMIT"
 step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
-  --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants ";packed_cvt=1" \
+  --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;packed_cvt=0}" \
   --out "$OUT_DIR" --tag="-$COMMIT"
 exit 0

@@ -138,10 +138,11 @@ def test_hopper_bwd_padded_head_dims_strided(d):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
 def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
-    """The ``packed_cvt`` tiles (``hopper.common.to_16bit``: 16-bit P / dS two at a time;
-    built in session 12, not dispatched until measured) give the dispatched kernels' bits:
-    the conversions round alike, and a pair landing in the wrong half of its register would
-    change them. Forward (out, lse) and deterministic backward."""
+    """The dispatched tiles' ``packed_cvt`` (``hopper.common.to_16bit``: 16-bit P / dS two at
+    a time, on since session 13) gives the bits of LLVM's one-at-a-time conversions: they
+    round alike, and a pair landing in the wrong half of its register would change them; so
+    does the head-dim-256 dK/dV kernel's ``tma_epilogue`` those of its register stores.
+    Forward (out, lse) and deterministic backward."""
     import dataclasses
     from triflash.kernels import configs
     causal, window, softcap = MASKS[mask]
@@ -156,29 +157,12 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
                                                 deterministic=True, return_attn_probs=True)
             return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
     dispatched = run()
-    for table in (configs.SM90_HOPPER_FWD, configs.SM90_HOPPER_BWD):
-        monkeypatch.setitem(table, d, dataclasses.replace(table[d], packed_cvt=True))
+    assert configs.SM90_HOPPER_FWD[d].packed_cvt and configs.SM90_HOPPER_BWD[d].packed_cvt
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d], packed_cvt=False))
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d], packed_cvt=False,
+                                                                       tma_epilogue=False))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dispatched, run()):
         assert torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [192, 256])
-def test_hopper_bwd256_full_first_tma_epilogue(d, mask, shape, monkeypatch):
-    """The head-dim-256 dK/dV kernel's ``full_first`` (unmasked query blocks first: the
-    loader's and WG0's orders must agree, or the ring hands WG0 the wrong block) and
-    ``tma_epilogue`` (dK / dV out through the K / V half tiles, clipped at the sequence's end
-    and at head dim 192) options, with ``packed_cvt``, against the fp32 reference; a
-    varlen batch keeps its register stores."""
-    import dataclasses
-    from triflash.kernels import configs
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(
-        configs.SM90_HOPPER_BWD[256], full_first=True, tma_epilogue=True, packed_cvt=True))
-    sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
-    with triflash.force_backend("hopper"):
-        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, seed=d + sk)
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])

@@ -46,8 +46,11 @@ class HopperFwdConfig:
     num_consumers: int = 2
     pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
-    # wgmma; the same values). Off until measured on the H200 (built in session 12).
-    packed_cvt: bool = False
+    # wgmma; the same values). On since session 13: in interleaved rounds on the H200
+    # (probes/probe-rounds-packed-8ce1f2a.json, non-causal / causal TFLOPS, off -> on) 64
+    # 464.1 -> 503.4 / 430.7 -> 451.6, 128 621.6 -> 639.3 / 575.9 -> 595.1, seed 256
+    # 649.8 -> 674.4 / 630.7 -> 645.3, 16x1024x16x128 536.9 -> 553.4 / 404.0 -> 420.7.
+    packed_cvt: bool = True
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
@@ -91,19 +94,23 @@ class HopperBwdConfig:
     # removed: benchmarks/NOTES.md, 95274cf item 1.)
     # (Nor did a longest-first order of the head-dim-256 dK/dV CTAs across 4 KV heads move
     # the causal backward: seed 427.9 -> 425.7 TFLOPS in interleaved rounds, built and
-    # removed in session 12: NOTES.md, be2df44 item 5.)
+    # removed in session 12: NOTES.md, be2df44 item 5; nor each key tile's unmasked query
+    # blocks before its masked ones, session 13: 418.3 -> 415.3 with packed_cvt,
+    # probes/bwd-probe-rounds-d256-8ce1f2a.json, removed.)
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
-    # P^T and dS^T to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before
-    # the wgmmas that read them from registers; the same values). Off until measured on the
-    # H200 (built in session 12).
-    packed_cvt: bool = False
-    # Head dim 256 only, off until measured (built in session 13): each key tile's unmasked
-    # query blocks first, its masked ones (causal diagonal, window edges) after them
-    # (``bwd.full_first_block``); and dK / dV out through the K / V half tiles by TMA stores
-    # on dense batches instead of register stores.
-    full_first: bool = False
+    # P^T and dS^T (dS in the dQ kernel) to 16 bits two at a time (hopper.common.to_16bit:
+    # no byte permutes before the wgmmas that read them from registers; the same values).
+    # On since session 13, within noise of off in interleaved rounds on the H200
+    # (probes/bwd-probe-rounds-d{128,256}-8ce1f2a.json, TFLOPS off -> on: 2x8192x16x128
+    # 535.4 -> 535.6 / 495.1 -> 498.7, seed 435.3 -> 427.7 / 417.3 -> 418.3, rounds spread
+    # 419-438), fewer instructions.
+    packed_cvt: bool = True
+    # Head dim 256 only (dense batches): dK / dV out through each warpgroup's K / V half
+    # tiles by TMA stores instead of register stores (session 13; same rounds, with
+    # packed_cvt: 16x1024x8x256 349.2 -> 363.9 / 268.8 -> 287.8, seed 427.7 -> 435.7 /
+    # 418.3 -> 410.9, the causal seed's rounds spread 406-429).
     tma_epilogue: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
@@ -210,7 +217,7 @@ SM90_HOPPER_BWD = {
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.
-    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True),
+    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True, tma_epilogue=True),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -97,28 +97,15 @@ def _loader_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def full_first_block(i, m_min, m_full_min, m_full_max):
-    """The ``i``-th query block of a key tile visited unmasked blocks first:
-    [m_full_min, m_full_max), then [m_min, m_full_min), then [m_full_max, m_max)."""
-    n_full = m_full_max - m_full_min
-    n_low = m_full_min - m_min
-    return gl.where(i < n_full, m_full_min + i,
-                    gl.where(i < n_full + n_low, m_min + (i - n_full), m_full_max + (i - n_full - n_low)))
-
-
-@gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
                 q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                 tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max,
-                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False,
-                m_full_min=0, m_full_max=0, FULL_FIRST: gl.constexpr = False):
+                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False):
     """The TMA producer of the dK/dV kernels. K and V: ``NUM_CONSUMERS`` tiles, one per
     consumer's keys, or with ``SPLIT_D`` (hopper/bwd256.py) the two column halves of one key
     block's tile (the descriptors' boxes are then half the head dim wide, and every Q / dO
     ring slot is two consecutive halves too). Keys and query blocks are relative to the
-    sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``).
-    ``FULL_FIRST``: each head's unmasked blocks [m_full_min, m_full_max) first, then the
-    masked ones in ascending order (``full_first_block``); else all ascending."""
+    sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``)."""
     KR: gl.constexpr = k_desc.block_type.shape[1]
     BM: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = q_desc.block_type.shape[3]
@@ -136,10 +123,7 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
     # Same order as the consumers: query heads of the group outer, query blocks ascending.
     for it in range(group * count):
         g = it // count
-        if FULL_FIRST:
-            m = full_first_block(it - g * count, m_min, m_full_min, m_full_max)
-        else:
-            m = m_min + (it - g * count)
+        m = m_min + (it - g * count)
         head = head_kv * group + g
         stage = it % STAGES
         phase = (it // STAGES) & 1

@@ -57,7 +57,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                dk_desc, dv_desc,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr,
-               FULL_FIRST: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
+               TMA_EPILOGUE: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
@@ -76,21 +76,10 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
     count = m_max - m_min
     bounds = (m_min, m_full_min, m_full_max, m_max)
     for g in range(group):
-        for i in gl.static_range(3):
-            # the loader's order (bwd._bwd_loader): ascending, or with FULL_FIRST the unmasked
-            # segment first; ``first`` is the segment's first ring slot
-            if FULL_FIRST:
-                lo = (m_full_min, m_min, m_full_max)[i]
-                hi = (m_full_max, m_full_min, m_max)[i]
-                first = g * count + (0, m_full_max - m_full_min, m_full_max - m_min)[i]
-                masked = i != 0
-            else:
-                lo = bounds[i]
-                hi = bounds[i + 1]
-                first = g * count + bounds[i] - m_min
-                masked = i != 1
-            for m in range(lo, hi):
-                it = first + (m - lo)
+        base = g * count - m_min
+        for seg in gl.static_range(3):
+            for m in range(bounds[seg], bounds[seg + 1]):
+                it = base + m
                 stage = it % STAGES
                 phase = (it // STAGES) & 1
                 x = it & 1  # exchange-barrier phase of this query block
@@ -107,7 +96,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     p = gl.exp2(t * softcap_log2 - lse)
                 else:
                     p = gl.exp2(s * qk_scale - lse)
-                if masked:
+                if seg != 1:
                     # as in bwd.py: (key - query) differences against scalar thresholds
                     diff = gl.expand_dims(keys - (m + (m >> 31)) * BM, 1) - gl.expand_dims(qcols0, 0)
                     ok = gl.expand_dims(keys < len_k, 1)
@@ -280,7 +269,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         PACKED_CVT: gl.constexpr, FULL_FIRST: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
+                         PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -329,7 +318,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, FULL_FIRST, TMA_EPILOGUE)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
@@ -338,7 +327,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
-                        2, STAGES, True, m_full_min, m_full_max, FULL_FIRST))],
+                        2, STAGES, True))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -362,7 +351,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
-            cfg.packed_cvt, cfg.full_first, tma_epilogue]
+            cfg.packed_cvt, tma_epilogue]
     return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 

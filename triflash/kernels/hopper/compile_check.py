@@ -48,7 +48,9 @@ def _compile(kernel, args) -> dict:
                 setmaxnreg="setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx,
                 has_wgmma="wgmma.mma_async" in ptx, has_tma="cp.async.bulk.tensor" in ptx,
                 atomics=ptx.count("red.global") + ptx.count("atom.global"),
-                tma_reduce=ptx.count("cp.reduce.async.bulk"), ptx=ptx)
+                tma_reduce=ptx.count("cp.reduce.async.bulk"),
+                # one-at-a-time fp32 -> 16-bit conversions (hopper.common.to_16bit packs two)
+                scalar_cvt=ptx.count("cvt.rn.bf16.f32") + ptx.count("cvt.rn.f16.f32"), ptx=ptx)
 
 
 def _problem(headdim, dtype, feature, varlen=False):
@@ -204,30 +206,26 @@ def all_dq(dtypes=("bf16", "fp16")):
                for f in FEATURES for v in (False, True)])
 
 
-def all_packed():
-    """The ``packed_cvt`` variants (16-bit P / dS conversions two at a time, not dispatched
-    yet): the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel (where
-    LLVM's conversions were one at a time) alone and with ``full_first`` + ``tma_epilogue``,
-    and the dQ kernel at every tile, bf16; each row with ``scalar_cvt``, the one-at-a-time
-    conversions left in its PTX (the epilogue's)."""
+def all_unpacked():
+    """The one-at-a-time 16-bit conversions of P / dS (``packed_cvt`` off; the dispatched
+    tiles convert two at a time since session 13): the forward at every tile, plain and
+    causal, the head-dim-256 dK/dV kernel with its register-store epilogue, and the dQ
+    kernel, bf16 (every row's ``scalar_cvt`` counts the one-at-a-time conversions)."""
     import dataclasses
 
     from .. import configs
     rows = []
     for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
         for f in ("plain", "causal"):
-            rows.append(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=True)))
-    b256 = configs.SM90_HOPPER_BWD[256]
-    for extra in ({}, dict(full_first=True, tma_epilogue=True)):
-        for f in ("plain", "causal", "window-softcap"):
-            row = compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, packed_cvt=True, **extra))
-            rows.append(dict(row, **extra))
+            rows.append(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=False)))
+    b256 = dataclasses.replace(configs.SM90_HOPPER_BWD[256], packed_cvt=False, tma_epilogue=False)
+    for f in ("plain", "causal", "window-softcap"):
+        rows.append(compile_bwd(256, "bf16", f, cfg=b256))
     for d, c in sorted(configs.SM90_HOPPER_BWD.items()):
         for f in ("plain", "causal"):
-            rows.append(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=True))
+            rows.append(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False))
     for r in rows:
-        r["packed_cvt"] = True
-        r["scalar_cvt"] = r["ptx"].count("cvt.rn.bf16.f32")
+        r["packed_cvt"] = False
     return rows
 
 
@@ -240,7 +238,7 @@ def code_of(ptx: str) -> str:
                      if "$L__tmp" not in line and not line.lstrip().startswith((".loc", ".file")))
 
 
-PARTS = ("fwd", "bwd", "dq", "packed")
+PARTS = ("fwd", "bwd", "dq", "unpacked")
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:
@@ -266,13 +264,14 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
-    ap.add_argument("--packed", action="store_true", help="the packed_cvt variants (not dispatched)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="the tiles with packed_cvt off (one-at-a-time 16-bit conversions)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    if a.packed:
-        rows = all_packed()
+    if a.unpacked:
+        rows = all_unpacked()
     elif a.dq:
         rows = all_dq()
     elif a.bwd:
