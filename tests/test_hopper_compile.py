@@ -68,7 +68,10 @@ HOPPER_FWD_SPILL_BUDGET = {
     # sliding-window bounds + the softcap's tanh temporaries on top of the 240 registers the
     # 128-key S tile and the O accumulator use; a few words spilled on the rare path only.
     ("window-softcap", 128): 128,
-    ("window-softcap", 256): 128,
+    # at 256 P's pairwise 16-bit conversion (packed_cvt, dispatched since session 13) keeps
+    # more values live: 172 B measured dense (bf16 and fp16), 140 B in the KV-cache form,
+    # against 8 / 32 B one at a time (its speed with window + softcap is not measured yet)
+    ("window-softcap", 256): 192,
 }
 
 # (feature, head dim) -> spill bytes allowed in the backward's dK/dV kernel, with the reason.
@@ -107,7 +110,8 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("window-softcap", 128): 192,
     ("plain", 256): 192,
     ("causal", 256): 128,
-    ("window-softcap", 256): 384,
+    # 396 B measured with packed_cvt (session 13; 360 B one at a time)
+    ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
     # (bf16, session 12), against 128 B at 256
@@ -126,7 +130,9 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # (bf16 and fp16, 7c818c1), and 1.6-3.1% faster than one CTA per tile
 # (configs.SM90_HOPPER_FWD); window + softcap there spills nothing.
 HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 704, ("causal", 64): 384}
-HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {("causal", 64): 448, ("window-softcap", 64): 2048}
+# (varlen plain: 40 B with packed_cvt, session 13, 0 B one at a time; causal and window +
+# softcap went from 404 / 1960 B to 0 B with it)
+HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {("plain", 64): 64, ("causal", 64): 448, ("window-softcap", 64): 2048}
 
 
 def test_hopper_forward_compiles_for_sm90a():
@@ -227,7 +233,7 @@ def test_unpacked_cvt_variants_compile_for_sm90a():
     assert {r["kernel"] for r in rows} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     for r in rows:
         assert not r["packed_cvt"], r
-        assert r["scalar_cvt"] > 0, r
+        assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd", r
         if r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
         elif r["kernel"] == "hopper_dq":

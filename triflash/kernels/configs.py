@@ -110,7 +110,9 @@ class HopperBwdConfig:
     # Head dim 256 only (dense batches): dK / dV out through each warpgroup's K / V half
     # tiles by TMA stores instead of register stores (session 13; same rounds, with
     # packed_cvt: 16x1024x8x256 349.2 -> 363.9 / 268.8 -> 287.8, seed 427.7 -> 435.7 /
-    # 418.3 -> 410.9, the causal seed's rounds spread 406-429).
+    # 418.3 -> 410.9, the causal seed's rounds spread 406-429; dispatched, then off against
+    # on at 3372345: 16x1024x8x256 349.2 / 273.3 against 369.1 / 293.8, seed 437.8 / 422.5
+    # against 443.3 / 432.3: probes/bwd-probe-rounds-d256-{8ce1f2a,3372345}.json).
     tma_epilogue: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24

@@ -25,6 +25,10 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
   no shared tile is ever sliced.
 
+Epilogue: with ``TMA_EPILOGUE`` (dense batches, dispatched since session 13) each warpgroup
+stages its dK / dV halves in its own K / V half tiles and TMA-stores them (``_store_half_tma``);
+else, and on varlen batches, masked register stores (``_store_half``).
+
 Exchange barriers (one completion per query block; a writer waits for the reader's
 previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
 ``ds_ready`` / ``ds_free``. The P^T writer never waits for dS^T before writing P^T, and
