@@ -8,7 +8,7 @@
 set -u
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-variants-out}"; mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# (7 files come back: the device returns 8 at most)
+# (7 files come back, 8 with FIXED_COST=1: the device returns 8 at most)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv; echo "commit $COMMIT"
 step() {  # step NAME TIMEOUT CMD...
   local name="$1" t="$2"; shift 2
@@ -27,4 +27,7 @@ step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headd
 step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
   --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;packed_cvt=0}" \
   --out "$OUT_DIR" --tag="-$COMMIT"
+# the dK/dV kernel's per-CTA fixed cost (docs/hopper-tier.md section 7 item 1)
+# (its log to stdout only: with its JSON that makes the 8th file)
+[[ -n "${FIXED_COST:-}" ]] && timeout "${T_FIXED:-120}" python3 scripts/bwd_breakdown.py --fixed-cost --out "$OUT_DIR"
 exit 0
