@@ -224,15 +224,17 @@ def test_hopper_dq_compiles_for_sm90a():
         assert r["atomics"] == 0, r
 
 
-def test_unpacked_cvt_variants_compile_for_sm90a():
-    """The tiles with ``packed_cvt`` off (LLVM's one-at-a-time 16-bit conversions of P / dS;
-    the dispatched tiles pack two at a time since session 13, ``hopper.common.to_16bit``)
-    still compile within the dispatched tiles' budgets, and do convert one at a time: the
-    forward 384 times at head dim 128, where the dispatched forward has none (test above)."""
-    rows = _compiled("unpacked")
-    assert {r["kernel"] for r in rows} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
+def test_tile_variants_compile_for_sm90a():
+    """Tile options the dispatch does not use compile within the dispatched tiles' budgets:
+    ``packed_cvt`` off (LLVM's one-at-a-time 16-bit conversions of P / dS; the dispatched
+    tiles pack two at a time since session 13, ``hopper.common.to_16bit``), where the forward
+    does convert one at a time (384 times at head dim 128; the dispatched forward never, test
+    above); the head-dim-256 dK/dV kernel's ``early_q`` (V on a barrier of its own), dense and
+    varlen."""
+    rows = _compiled("variants")
+    assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
+    assert {bool(r.get("varlen")) for r in rows if r.get("early_q")} == {False, True}
     for r in rows:
-        assert not r["packed_cvt"], r
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd", r
         if r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET

@@ -165,6 +165,38 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [192, 256])
+def test_hopper_bwd256_early_q_same_bits(d, mask, shape, monkeypatch):
+    """The head-dim-256 dK/dV kernel's ``early_q`` (K and V on two barriers, V loaded after
+    the first Q; built in session 13, not dispatched until measured) changes when loads land,
+    not what is computed: the deterministic backward's bits equal the dispatched tile's.
+    777 x 2048 with a left window of 200 leaves key tiles that no query block visits (their
+    V still loads before the warpgroups store through it)."""
+    import dataclasses
+    from triflash.kernels import configs
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    g = torch.Generator(device="cuda").manual_seed(d + sk)
+    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def run():
+        with triflash.force_backend("hopper"):
+            out = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                           deterministic=True)
+            return torch.autograd.grad(out, (q, k, v), dout)
+    dispatched = run()
+    assert not configs.SM90_HOPPER_BWD[256].early_q
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(configs.SM90_HOPPER_BWD[256], early_q=True))
+    for name, a, b in zip(("dq", "dk", "dv"), dispatched, run()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_hopper_bwd_reproducible(d):
     """deterministic=True is bitwise reproducible at every head dim; so is deterministic=False

@@ -114,6 +114,10 @@ class HopperBwdConfig:
     # on at 3372345: 16x1024x8x256 349.2 / 273.3 against 369.1 / 293.8, seed 437.8 / 422.5
     # against 443.3 / 432.3: probes/bwd-probe-rounds-d256-{8ce1f2a,3372345}.json).
     tma_epilogue: bool = False
+    # Head dim 256 only, off until measured (built in session 13): K and V on two barriers,
+    # loaded K, first Q, V, first dO, so that the S^T warpgroup starts without waiting for V
+    # (a part of the per-CTA fixed cost: docs/hopper-tier.md section 7 item 1).
+    early_q: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

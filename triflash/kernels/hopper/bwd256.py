@@ -53,7 +53,7 @@ HALF = 128     # head-dim columns per warpgroup
 
 
 @gluon.jit
-def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
+def _wg_scores(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
@@ -61,8 +61,9 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                dk_desc, dv_desc,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr,
-               TMA_EPILOGUE: gl.constexpr):
-    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
+               TMA_EPILOGUE: gl.constexpr, EARLY_Q: gl.constexpr):
+    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). With
+    ``EARLY_Q`` ``kv_bar`` covers K alone and V has ``v_bar`` (``bwd._bwd_loader``)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -139,6 +140,8 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
+    if EARLY_Q:
+        mbarrier.wait(v_bar, 0)  # V's TMA landed before WG0 overwrites V half 0 (no block: not waited yet)
     if TMA_EPILOGUE:
         # K half 0 is read by WG0 only; V half 0 by WG1's dP'^T, whose last one retired
         # before WG1's last dS^T / dP'^T hand-off that WG0 waited for above
@@ -167,13 +170,13 @@ def _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
 
 
 @gluon.jit
-def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
+def _wg_dprobs(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
-               PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
+               PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, EARLY_Q: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM)."""
     dtype: gl.constexpr = k_bufs.dtype
@@ -187,7 +190,10 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
-    mbarrier.wait(kv_bar, 0)
+    if EARLY_Q:
+        mbarrier.wait(v_bar, 0)  # WG1 reads V, not K
+    else:
+        mbarrier.wait(kv_bar, 0)
     for it in range(group * (m_max - m_min)):
         stage = it % STAGES
         phase = (it // STAGES) & 1
@@ -221,6 +227,8 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
             mbarrier.arrive(pt_free)
             mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
+    if EARLY_Q:
+        mbarrier.wait(kv_bar, 0)  # K's TMA landed before WG1 overwrites K half 1
     if TMA_EPILOGUE:
         # V half 1 is read by WG1 only; K half 1 by WG0's S^T, whose last one retired before
         # WG0's last P^T hand-off that WG1 waited for above. The TMA store clips the
@@ -273,7 +281,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
+                         PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, EARLY_Q: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -314,24 +322,29 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     dp_free = xbar.index(3)
     ds_ready = xbar.index(4)
     ds_free = xbar.index(5)
+    if EARLY_Q:  # V on a barrier of its own
+        v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(v_bar, count=1)
+    else:  # V shares kv_bar with K
+        v_bar = kv_bar
 
     gl.warp_specialize(
-        [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
+        [(_wg_scores, (k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE)),
-         (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE, EARLY_Q)),
+         (_wg_dprobs, (k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE)),
+                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE, EARLY_Q)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
-                        2, STAGES, True))],
+                        2, STAGES, True, v_bar, EARLY_Q))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -355,7 +368,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
-            cfg.packed_cvt, tma_epilogue]
+            cfg.packed_cvt, tma_epilogue, cfg.early_q]
     return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
 
 

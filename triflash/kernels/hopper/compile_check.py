@@ -206,26 +206,34 @@ def all_dq(dtypes=("bf16", "fp16")):
                for f in FEATURES for v in (False, True)])
 
 
-def all_unpacked():
-    """The one-at-a-time 16-bit conversions of P / dS (``packed_cvt`` off; the dispatched
-    tiles convert two at a time since session 13): the forward at every tile, plain and
-    causal, the head-dim-256 dK/dV kernel with its register-store epilogue, and the dQ
-    kernel, bf16 (every row's ``scalar_cvt`` counts the one-at-a-time conversions)."""
+def all_variants():
+    """Tile options the dispatch does not use, bf16: the one-at-a-time 16-bit conversions of
+    P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time since session 13)
+    in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
+    register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with
+    ``early_q`` (not dispatched until measured), dense and varlen. Every row's ``scalar_cvt``
+    counts the one-at-a-time conversions."""
     import dataclasses
 
     from .. import configs
     rows = []
     for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
         for f in ("plain", "causal"):
-            rows.append(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=False)))
-    b256 = dataclasses.replace(configs.SM90_HOPPER_BWD[256], packed_cvt=False, tma_epilogue=False)
+            rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=False)),
+                             packed_cvt=False))
+    b256 = configs.SM90_HOPPER_BWD[256]
     for f in ("plain", "causal", "window-softcap"):
-        rows.append(compile_bwd(256, "bf16", f, cfg=b256))
+        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, packed_cvt=False,
+                                                                               tma_epilogue=False)),
+                         packed_cvt=False))
     for d, c in sorted(configs.SM90_HOPPER_BWD.items()):
         for f in ("plain", "causal"):
-            rows.append(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False))
-    for r in rows:
-        r["packed_cvt"] = False
+            rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False),
+                             packed_cvt=False))
+    for f in ("plain", "causal", "window-softcap"):
+        for varlen in (False, True):
+            rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, early_q=True), varlen=varlen),
+                             packed_cvt=b256.packed_cvt, early_q=True))
     return rows
 
 
@@ -238,7 +246,7 @@ def code_of(ptx: str) -> str:
                      if "$L__tmp" not in line and not line.lstrip().startswith((".loc", ".file")))
 
 
-PARTS = ("fwd", "bwd", "dq", "unpacked")
+PARTS = ("fwd", "bwd", "dq", "variants")
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:
@@ -264,14 +272,14 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
-    ap.add_argument("--unpacked", action="store_true",
-                    help="the tiles with packed_cvt off (one-at-a-time 16-bit conversions)")
+    ap.add_argument("--variants", action="store_true",
+                    help="tile options not dispatched (packed_cvt off, early_q on)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
     a = ap.parse_args(argv)
-    if a.unpacked:
-        rows = all_unpacked()
+    if a.variants:
+        rows = all_variants()
     elif a.dq:
         rows = all_dq()
     elif a.bwd:
