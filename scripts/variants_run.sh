@@ -18,8 +18,8 @@ step() {  # step NAME TIMEOUT CMD...
   echo "rc=$? in $((SECONDS - t0)) s"; tail -n 12 "$OUT_DIR/$name.txt"
 }
 [[ -z "${SKIP_TESTS:-}" ]] && step tests "${T_TESTS:-170}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
-  -k "${TEST_K:-packed_cvt}"
-BV="${BWD_VARIANTS:-;packed_cvt=0;tma_epilogue=0}"
+  -k "${TEST_K:-packed_cvt or early_q}"
+BV="${BWD_VARIANTS:-;early_q=1;tma_epilogue=0}"
 step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
 step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
