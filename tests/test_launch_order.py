@@ -12,6 +12,12 @@ from triflash.kernels.common import (L2_SECTION_BYTES, launch_order, n_block_ran
                                      persistent_schedule, section_heads, visited_key_blocks)
 
 
+def _arg(kernel, args, name):
+    """The value ``args`` passes as ``kernel``'s parameter ``name``."""
+    assert len(args) == len(kernel.arg_names)
+    return args[kernel.arg_names.index(name)]
+
+
 @triton.jit
 def _order_kernel(OUT, section_heads):
     num_m = tl.num_programs(0)
@@ -140,7 +146,7 @@ def test_forward_walks():
                                         (masked, -1, 5, False)):
         p = AttnParams(0.1, -1, right, 0.0, 300, 200)
         g, args = fwd.kernel_args(q, k, k, out, lse, p, cfg, num_sms=5)
-        assert g == (grid,) and args[-2] is scheduled  # (..., Q_SLOTS, SCHEDULED, HEAD_DIM)
+        assert g == (grid,) and _arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is scheduled
         sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
         assert len(sched) == int(scheduled)
         if scheduled:
@@ -174,7 +180,9 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     p = AttnParams(0.1, -1, 0, 0.0, 300, 200)
     monkeypatch.setattr(fwd, "schedule_table", lambda *a, **kw: None)
     g, args = fwd.kernel_args(q, k, k, torch.empty_like(q), torch.empty(2, 4, 300), p, cfg, num_sms=5)
-    assert g == (2 * 4 * -(-300 // (64 * cfg.num_consumers)),) and args[-2] is False and args[-3] == 1
+    assert g == (2 * 4 * -(-300 // (64 * cfg.num_consumers)),)
+    assert _arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is False
+    assert _arg(fwd.hopper_fwd_kernel, args, "Q_SLOTS") == 1
     assert not [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
 
 

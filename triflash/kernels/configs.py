@@ -51,6 +51,12 @@ class HopperFwdConfig:
     # 464.1 -> 503.4 / 430.7 -> 451.6, 128 621.6 -> 639.3 / 575.9 -> 595.1, seed 256
     # 649.8 -> 674.4 / 630.7 -> 645.3, 16x1024x16x128 536.9 -> 553.4 / 404.0 -> 420.7.
     packed_cvt: bool = True
+    # One exponential of the softmax in every ``exp2_emu`` (2, 4, 8; 0: none) computed on
+    # the FMA units by a polynomial instead of the MUFU (hopper.common.exp2_mixed): at head
+    # dim 64 the MUFU's quarter rate makes the exponentials as long as the matrix
+    # multiplies; each emulated one costs ~10 instructions. Off until measured (built in
+    # session 13).
+    exp2_emu: int = 0
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False

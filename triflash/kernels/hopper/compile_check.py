@@ -27,6 +27,12 @@ FEATURES = {
 }
 
 
+def _arg(kernel, args, name):
+    """The value ``args`` passes as ``kernel``'s parameter ``name``."""
+    assert len(args) == len(kernel.arg_names), (len(args), kernel.arg_names)
+    return args[kernel.arg_names.index(name)]
+
+
 def _compile(kernel, args) -> dict:
     """Compile a Gluon kernel for sm_90a as a launch with ``args`` would specialize it; the
     resources and instructions every Hopper kernel is checked for, plus its PTX."""
@@ -50,7 +56,8 @@ def _compile(kernel, args) -> dict:
                 atomics=ptx.count("red.global") + ptx.count("atom.global"),
                 tma_reduce=ptx.count("cp.reduce.async.bulk"),
                 # one-at-a-time fp32 -> 16-bit conversions (hopper.common.to_16bit packs two)
-                scalar_cvt=ptx.count("cvt.rn.bf16.f32") + ptx.count("cvt.rn.f16.f32"), ptx=ptx)
+                scalar_cvt=ptx.count("cvt.rn.bf16.f32") + ptx.count("cvt.rn.f16.f32"),
+                mufu_ex2=ptx.count("ex2.approx"), ptx=ptx)
 
 
 def _problem(headdim, dtype, feature, varlen=False):
@@ -111,7 +118,8 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers,
-               q_slots=args[-3], scheduled=args[-2])
+               q_slots=_arg(H.hopper_fwd_kernel, args, "Q_SLOTS"),
+               scheduled=_arg(H.hopper_fwd_kernel, args, "SCHEDULED"))
     if varlen:
         row["varlen"] = True
     if kvcache:
@@ -211,8 +219,9 @@ def all_variants():
     P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time since session 13)
     in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
     register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with
-    ``early_q`` (not dispatched until measured), dense and varlen. Every row's ``scalar_cvt``
-    counts the one-at-a-time conversions."""
+    ``early_q`` (not dispatched until measured), dense and varlen; the forward with
+    ``exp2_emu`` 2 / 4 / 8 at every tile. Every row's ``scalar_cvt`` counts the one-at-a-time
+    conversions, ``mufu_ex2`` the exponentials left to the MUFU."""
     import dataclasses
 
     from .. import configs
@@ -234,6 +243,11 @@ def all_variants():
         for varlen in (False, True):
             rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, early_q=True), varlen=varlen),
                              packed_cvt=b256.packed_cvt, early_q=True))
+    for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
+        for one_in in (2, 4, 8):
+            for f in ("plain", "causal", "window-softcap"):
+                rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, exp2_emu=one_in)),
+                                 packed_cvt=c.packed_cvt, exp2_emu=one_in))
     return rows
 
 
