@@ -23,7 +23,7 @@ BV="${BWD_VARIANTS:-;early_q=1;tma_epilogue=0}"
 step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
 step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
-  --cases 2x8192x16x128 --variants "${BWD128_VARIANTS:-;packed_cvt=0}" --out "$OUT_DIR" --tag="-$COMMIT"
+  --cases 2x8192x16x128 --variants "${BWD128_VARIANTS:-;atomic_stages=3}" --out "$OUT_DIR" --tag="-$COMMIT"
 step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
   --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;exp2_emu=4;exp2_emu=8}" \
   --out "$OUT_DIR" --tag="-$COMMIT"
