@@ -4,7 +4,9 @@
 # --config specs, '' = as dispatched):
 # their GPU tests first, then forward and backward variants in interleaved rounds beside
 # cuDNN. Each step under its own timeout; results under OUT_DIR.
-# Usage (repo root, on the H200):  bash scripts/variants_run.sh COMMIT OUT_DIR
+# Usage (repo root, on the H200):  [STEPS="tests bwd256 bwd128 fwd fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
+# (all five take ~10 minutes: two device calls, e.g. STEPS="tests bwd256 fixed", then
+# STEPS="bwd128 fwd")
 set -u
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-variants-out}"; mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,17 +19,21 @@ step() {  # step NAME TIMEOUT CMD...
   timeout "$t" "$@" > "$OUT_DIR/$name.txt" 2>&1
   echo "rc=$? in $((SECONDS - t0)) s"; tail -n 12 "$OUT_DIR/$name.txt"
 }
-[[ -z "${SKIP_TESTS:-}" ]] && step tests "${T_TESTS:-170}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
+STEPS=" ${STEPS:-tests bwd256 bwd128 fwd} "
+[[ -n "${SKIP_TESTS:-}" ]] && STEPS="${STEPS/ tests / }"
+[[ -n "${FIXED_COST:-}" ]] && STEPS="$STEPS fixed "
+has() { [[ "$STEPS" == *" $1 "* ]]; }
+has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
   -k "${TEST_K:-packed_cvt or early_q or exp2_emulated}"
 BV="${BWD_VARIANTS:-;early_q=1;tma_epilogue=0}"
-step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
+has bwd256 && step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
-step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
+has bwd128 && step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
   --cases 2x8192x16x128 --variants "${BWD128_VARIANTS:-;atomic_stages=3}" --out "$OUT_DIR" --tag="-$COMMIT"
-step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
+has fwd && step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
   --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;exp2_emu=4;exp2_emu=8}" \
   --out "$OUT_DIR" --tag="-$COMMIT"
 # the dK/dV kernel's per-CTA fixed cost (docs/hopper-tier.md section 7 item 1)
 # (its log to stdout only: with its JSON that makes the 8th file)
-[[ -n "${FIXED_COST:-}" ]] && timeout "${T_FIXED:-120}" python3 scripts/bwd_breakdown.py --fixed-cost --out "$OUT_DIR"
+has fixed && timeout "${T_FIXED:-120}" python3 scripts/bwd_breakdown.py --fixed-cost --out "$OUT_DIR"
 exit 0
