@@ -9,6 +9,7 @@ import torch
 from triflash import dispatch
 
 fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
+from triflash.kernels.hopper.common import kernel_arg  # noqa: E402
 
 
 def _qkv(d, s=64, varlen=False):
@@ -53,20 +54,14 @@ def test_padded_head_dims_take_boxes_of_the_tile_width(d, width):
     assert [x.block_shape[-1] for x in descs] == [width] * 4
     assert [x.shape[-1] for x in descs] == [d] * 4  # the tensor's head dim: TMA fills / clips
     assert [x.base for x in descs] == [q, k, v, out]
-    assert _arg(fwd.hopper_fwd_kernel, args, "HEAD_DIM") == d  # a varlen batch's masked O stores stop there
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "HEAD_DIM") == d  # a varlen batch's masked O stores stop there
     if d == width:  # an unpadded head dim: the same descriptors as before the padding
         assert descs[0].layout is descriptor(q, 64).layout
     cu = torch.tensor([0, 300, 600], dtype=torch.int32)
     _, args = fwd.kernel_args(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), out.flatten(0, 1),
                               torch.empty(4, 600), p, configs.SM90_HOPPER_FWD[width], cu, cu)
     assert [x.block_shape[-1] for x in args[:4]] == [width] * 4
-    assert _arg(fwd.hopper_fwd_kernel, args, "HEAD_DIM") == d
-
-
-def _arg(kernel, args, name):
-    """The value ``args`` passes as ``kernel``'s parameter ``name``."""
-    assert len(args) == len(kernel.arg_names)
-    return args[kernel.arg_names.index(name)]
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "HEAD_DIM") == d
 
 
 @pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (128, 128), (256, 256)])
@@ -90,7 +85,7 @@ def test_padded_head_dims_backward_boxes(d, width):
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
         assert [x.block_shape[-1] for x in args[:4]] == [128] * 4
         # HEAD_DIM: WG1 stores columns [128, d) only
-        assert _arg(bwd256.hopper_bwd256_kernel, args, "HEAD_DIM") == d
+        assert kernel_arg(bwd256.hopper_bwd256_kernel, args, "HEAD_DIM") == d
     else:
         args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, True)
         descs = args[:6]  # q, k, v, dout, dk, dv
@@ -99,9 +94,9 @@ def test_padded_head_dims_backward_boxes(d, width):
         dq_accum = args[14]
         assert (dq_accum.block_shape[-1], dq_accum.shape[-1]) == (width // 2, d)
         # HEAD_DIM: a varlen batch's masked dK / dV stores stop there
-        assert _arg(B.hopper_bwd_kernel, args, "HEAD_DIM") == d
+        assert kernel_arg(B.hopper_bwd_kernel, args, "HEAD_DIM") == d
     _, args = bwd_dq.kernel_args(pb, q, k, v, do, dq, stat, delta, p, cfg.dq_block_n, cfg.dq_stages)
     assert [x.block_shape[-1] for x in args[:5]] == [width] * 5  # q, k, v, dout, dq
     assert [x.shape[-1] for x in args[:5]] == [d] * 5
     # HEAD_DIM: a varlen batch's masked dQ stores stop there
-    assert _arg(bwd_dq.hopper_dq_kernel, args, "HEAD_DIM") == d
+    assert kernel_arg(bwd_dq.hopper_dq_kernel, args, "HEAD_DIM") == d

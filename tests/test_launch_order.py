@@ -12,12 +12,6 @@ from triflash.kernels.common import (L2_SECTION_BYTES, launch_order, n_block_ran
                                      persistent_schedule, section_heads, visited_key_blocks)
 
 
-def _arg(kernel, args, name):
-    """The value ``args`` passes as ``kernel``'s parameter ``name``."""
-    assert len(args) == len(kernel.arg_names)
-    return args[kernel.arg_names.index(name)]
-
-
 @triton.jit
 def _order_kernel(OUT, section_heads):
     num_m = tl.num_programs(0)
@@ -110,6 +104,7 @@ def test_forward_walks():
 
     import torch
     fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
+    from triflash.kernels.hopper.common import kernel_arg
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import SCHEDULE_MAX_TILES, Problem
     from triflash.kernels.portable import AttnParams
@@ -146,7 +141,7 @@ def test_forward_walks():
                                         (masked, -1, 5, False)):
         p = AttnParams(0.1, -1, right, 0.0, 300, 200)
         g, args = fwd.kernel_args(q, k, k, out, lse, p, cfg, num_sms=5)
-        assert g == (grid,) and _arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is scheduled
+        assert g == (grid,) and kernel_arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is scheduled
         sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
         assert len(sched) == int(scheduled)
         if scheduled:
@@ -159,6 +154,7 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     ``schedule_table`` answers None there and the launches fall back to one CTA per tile; a
     table the capture does read is kept beyond the cache's clearing (replays read it)."""
     fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
+    from triflash.kernels.hopper.common import kernel_arg
     from triflash.kernels import configs
     from triflash.kernels.hopper import common as hc
     from triflash.kernels.portable import AttnParams
@@ -181,8 +177,8 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(fwd, "schedule_table", lambda *a, **kw: None)
     g, args = fwd.kernel_args(q, k, k, torch.empty_like(q), torch.empty(2, 4, 300), p, cfg, num_sms=5)
     assert g == (2 * 4 * -(-300 // (64 * cfg.num_consumers)),)
-    assert _arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is False
-    assert _arg(fwd.hopper_fwd_kernel, args, "Q_SLOTS") == 1
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is False
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "Q_SLOTS") == 1
     assert not [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
 
 

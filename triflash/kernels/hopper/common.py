@@ -57,7 +57,8 @@ def to_16bit(x, dtype: gl.constexpr, PACKED: gl.constexpr):
         return x.to(dtype)
 
 
-def _exp2_asm(pack: int) -> str:
+@gluon.constexpr_function
+def _exp2_asm(pack):
     """PTX for ``pack`` values of 2^x: the first ``pack - 1`` by ``ex2.approx.ftz.f32`` (the
     MUFU unit, a quarter of the FMA rate: at head dim 64 the forward's exponentials take as
     long as its matrix multiplies), the last on the FMA / integer units (~10 instructions
@@ -83,9 +84,9 @@ def _exp2_asm(pack: int) -> str:
     return "\n".join(lines)
 
 
-EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
-EXP2_ASM_4 = gl.constexpr(_exp2_asm(4))
-EXP2_ASM_8 = gl.constexpr(_exp2_asm(8))
+@gluon.constexpr_function
+def _exp2_constraints(pack):
+    return ",".join(["=f"] * pack + ["f"] * pack)
 
 
 @gluon.jit
@@ -94,15 +95,10 @@ def exp2_mixed(x, ONE_IN: gl.constexpr):
     ``ONE_IN`` (2, 4 or 8) computed on the FMA units instead of the MUFU (``_exp2_asm``)."""
     if ONE_IN == 0:
         return gl.exp2(x)
-    elif ONE_IN == 2:
-        return gl.inline_asm_elementwise(EXP2_ASM_2, "=f,=f,f,f", [x], dtype=gl.float32, is_pure=True, pack=2)
-    elif ONE_IN == 4:
-        return gl.inline_asm_elementwise(EXP2_ASM_4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32,
-                                         is_pure=True, pack=4)
     else:
-        gl.static_assert(ONE_IN == 8, "ONE_IN: 0, 2, 4 or 8")
-        return gl.inline_asm_elementwise(EXP2_ASM_8, "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x],
-                                         dtype=gl.float32, is_pure=True, pack=8)
+        gl.static_assert(ONE_IN == 2 or ONE_IN == 4 or ONE_IN == 8, "ONE_IN: 0, 2, 4 or 8")
+        return gl.inline_asm_elementwise(_exp2_asm(ONE_IN), _exp2_constraints(ONE_IN), [x], dtype=gl.float32,
+                                         is_pure=True, pack=ONE_IN)
 
 
 @gluon.jit
@@ -439,6 +435,14 @@ PADDED_HEAD_DIMS = {96: 128, 192: 256}
 def kernel_head_dim(d: int) -> int:
     """The head dim the Hopper kernels compute for a problem of head dim ``d``."""
     return PADDED_HEAD_DIMS.get(d, d)
+
+
+def kernel_arg(kernel, args, name):
+    """The value of ``kernel``'s parameter ``name`` in the argument list ``args`` of one of the
+    ``kernel_args`` builders (tests and the compile check read arguments by name, never by
+    position)."""
+    assert len(args) == len(kernel.arg_names), (len(args), kernel.arg_names)
+    return args[kernel.arg_names.index(name)]
 
 
 def tma_compatible(*tensors) -> bool:

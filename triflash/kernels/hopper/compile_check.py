@@ -27,12 +27,6 @@ FEATURES = {
 }
 
 
-def _arg(kernel, args, name):
-    """The value ``args`` passes as ``kernel``'s parameter ``name``."""
-    assert len(args) == len(kernel.arg_names), (len(args), kernel.arg_names)
-    return args[kernel.arg_names.index(name)]
-
-
 def _compile(kernel, args) -> dict:
     """Compile a Gluon kernel for sm_90a as a launch with ``args`` would specialize it; the
     resources and instructions every Hopper kernel is checked for, plus its PTX."""
@@ -111,6 +105,7 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
 
     from .. import configs
     from . import fwd as H
+    from .common import kernel_arg
     cfg = cfg or configs.SM90_HOPPER_FWD[H.kernel_head_dim(headdim)]
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
     if kvcache:
@@ -118,8 +113,8 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers,
-               q_slots=_arg(H.hopper_fwd_kernel, args, "Q_SLOTS"),
-               scheduled=_arg(H.hopper_fwd_kernel, args, "SCHEDULED"))
+               q_slots=kernel_arg(H.hopper_fwd_kernel, args, "Q_SLOTS"),
+               scheduled=kernel_arg(H.hopper_fwd_kernel, args, "SCHEDULED"))
     if varlen:
         row["varlen"] = True
     if kvcache:
