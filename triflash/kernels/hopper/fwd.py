@@ -106,7 +106,7 @@ def _q_slot(local, Q_SLOTS: gl.constexpr):
 @gluon.jit
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EXP2_EMU: gl.constexpr = 0):
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EXP2_EMU: gl.constexpr):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
     each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
