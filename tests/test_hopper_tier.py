@@ -76,26 +76,6 @@ def test_hopper_fwd_256(mask):
     _check_hopper_forward(q, k, v, mask)
 
 
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (1000, 1000, 6, 1), (777, 2048, 8, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d,one_in", [(64, 4), (64, 8), (64, 2), (128, 4), (256, 8)])
-def test_hopper_fwd_exp2_emulated(d, one_in, mask, shape, monkeypatch):
-    """``exp2_emu`` (one softmax exponential in every 2 / 4 / 8 by a polynomial on the FMA
-    units, ``hopper.common.exp2_mixed``; built in session 13, not dispatched until measured):
-    O and lse against the fp32 reference; 777 x 2048 with a left window of 200 has rows that
-    see no key, whose lse must stay exactly -inf (the emulated lane returns exactly 0 for
-    masked scores)."""
-    import dataclasses
-    from triflash.kernels import configs
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d], exp2_emu=one_in))
-    sq, sk, h, hk = shape
-    g = torch.Generator(device="cuda").manual_seed(d + one_in + sq)
-    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    _check_hopper_forward(q, k, v, mask)
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("d", [96, 192])
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -185,36 +165,42 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [192, 256])
-def test_hopper_bwd256_early_q_same_bits(d, mask, shape, monkeypatch):
-    """The head-dim-256 dK/dV kernel's ``early_q`` (K and V on two barriers, V loaded after
-    the first Q; built in session 13, not dispatched until measured) changes when loads land,
-    not what is computed: the deterministic backward's bits equal the dispatched tile's.
-    777 x 2048 with a left window of 200 leaves key tiles that no query block visits (their
-    V still loads before the warpgroups store through it)."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_bwd256_timeline_probe(causal, monkeypatch):
+    """The head-dim-256 dK/dV kernel's ``timeline`` probe (scripts/bwd_timeline.py) stamps
+    every CTA once, in order (entry <= K / V landed <= first block <= last block <= stores
+    done, on both warpgroups), counts each CTA's query blocks as the causal range does, and
+    leaves the gradients' bits as they are."""
     import dataclasses
     from triflash.kernels import configs
-    sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
-    g = torch.Generator(device="cuda").manual_seed(d + sk)
-    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-            for _ in range(2))
-    dout = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    from triflash.kernels.hopper import bwd256
+    b, s, h = 2, 1000, 4
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(b, s, h, 256, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(b, s, h, 256, device="cuda", dtype=torch.bfloat16, generator=g)
 
     def run():
         with triflash.force_backend("hopper"):
-            out = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
-                                           deterministic=True)
+            out = triflash.flash_attn_func(q, k, v, causal=causal)
             return torch.autograd.grad(out, (q, k, v), dout)
     dispatched = run()
-    assert not configs.SM90_HOPPER_BWD[256].early_q
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(configs.SM90_HOPPER_BWD[256], early_q=True))
-    for name, a, b in zip(("dq", "dk", "dv"), dispatched, run()):
-        assert torch.equal(a, b), name
+    tiles = -(-s // bwd256.BLOCK_N)
+    buf = torch.full((tiles * h * b, bwd256.TIMELINE_SLOTS), -1, dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(bwd256, "timeline_buffer", buf)
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(configs.SM90_HOPPER_BWD[256], timeline=True))
+    for name, x, y in zip(("dq", "dk", "dv"), dispatched, run()):
+        assert torch.equal(x, y), name
+    t = buf.cpu()
+    assert (t >= 0).all()
+    for wg in ((4, 5, 6, 7), (9, 10, 11, 12)):
+        assert (t[:, 2] <= t[:, wg[0]]).all() and (t[:, wg[0]] <= t[:, wg[1]]).all()
+        assert (t[:, wg[1]] <= t[:, wg[2]]).all() and (t[:, wg[2]] <= t[:, wg[3]]).all()
+    assert (t[:, 1] <= t[:, 8]).all() and (t[:, 1] <= t[:, 13]).all()
+    n = torch.arange(tiles).repeat(b * h)
+    assert torch.equal(t[:, 14], n * bwd256.BLOCK_N)
+    m_blocks = -(-s // 64)
+    assert torch.equal(t[:, 3], m_blocks - n if causal else torch.full_like(n, m_blocks))
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])

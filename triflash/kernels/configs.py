@@ -51,12 +51,10 @@ class HopperFwdConfig:
     # 464.1 -> 503.4 / 430.7 -> 451.6, 128 621.6 -> 639.3 / 575.9 -> 595.1, seed 256
     # 649.8 -> 674.4 / 630.7 -> 645.3, 16x1024x16x128 536.9 -> 553.4 / 404.0 -> 420.7.
     packed_cvt: bool = True
-    # One exponential of the softmax in every ``exp2_emu`` (2, 4, 8; 0: none) computed on
-    # the FMA units by a polynomial instead of the MUFU (hopper.common.exp2_mixed): at head
-    # dim 64 the MUFU's quarter rate makes the exponentials as long as the matrix
-    # multiplies; each emulated one costs ~10 instructions. Off until measured (built in
-    # session 13).
-    exp2_emu: int = 0
+    # (Measured and removed in session 14: one exponential in every 4 / 8 on the FMA units by
+    # a degree-4 polynomial instead of the MUFU, ``exp2_emu``; slower at every head dim, e.g.
+    # 2x8192x32x64 506.9 -> 451.6 / 479.8, seed 673.1 -> 631.7 / 662.5 TFLOPS:
+    # probes/fwd-rounds-exp2emu-944291a.txt.)
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
@@ -120,10 +118,13 @@ class HopperBwdConfig:
     # on at 3372345: 16x1024x8x256 349.2 / 273.3 against 369.1 / 293.8, seed 437.8 / 422.5
     # against 443.3 / 432.3: probes/bwd-probe-rounds-d256-{8ce1f2a,3372345}.json).
     tma_epilogue: bool = False
-    # Head dim 256 only, off until measured (built in session 13): K and V on two barriers,
-    # loaded K, first Q, V, first dO, so that the S^T warpgroup starts without waiting for V
-    # (a part of the per-CTA fixed cost: docs/hopper-tier.md section 7 item 1).
-    early_q: bool = False
+    # (Measured and removed in session 14: K and V on two barriers, the first Q before V, so
+    # that the S^T warpgroup starts without waiting for V, ``early_q``: seed 440.9 -> 441.9 /
+    # 425.6 -> 423.9, 16x1024x8x256 368.3 -> 370.6 / 290.0 -> 292.9, within the rounds'
+    # spread; probes/bwd-probe-rounds-d256-944291a.json.)
+    # Probe instrumentation, never dispatched (head dim 256, dense, with tma_epilogue): per-CTA
+    # clock stamps into ``hopper.bwd256.timeline_buffer`` (scripts/bwd_timeline.py).
+    timeline: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

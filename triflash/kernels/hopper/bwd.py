@@ -97,48 +97,28 @@ def _loader_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _load_v_halves(v_desc, v_bufs, v_bar, tma_batch, row, head_kv, PIECES: gl.constexpr, COL_STEP: gl.constexpr):
-    for c in gl.static_range(PIECES):
-        tma.async_copy_global_to_shared(v_desc, [tma_batch, row, head_kv, c * COL_STEP], v_bar,
-                                        _tma_view(v_bufs.index(c), v_desc))
-
-
-@gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
                 q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                 tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max,
-                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False,
-                v_bar=None, EARLY_Q: gl.constexpr = False):
+                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False):
     """The TMA producer of the dK/dV kernels. K and V: ``NUM_CONSUMERS`` tiles, one per
     consumer's keys, or with ``SPLIT_D`` (hopper/bwd256.py) the two column halves of one key
     block's tile (the descriptors' boxes are then half the head dim wide, and every Q / dO
     ring slot is two consecutive halves too). Keys and query blocks are relative to the
-    sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``).
-    ``EARLY_Q`` (``SPLIT_D`` only): K on ``kv_bar``, then the first ring slot's Q, then V on
-    ``v_bar``, then the first dO, so that the S^T warpgroup can start before V lands."""
+    sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``)."""
     KR: gl.constexpr = k_desc.block_type.shape[1]
     BM: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = q_desc.block_type.shape[3]
     PIECES: gl.constexpr = 2 if SPLIT_D else 1  # smem tiles per Q / dO ring slot
     KEY_STEP: gl.constexpr = 0 if SPLIT_D else KR
     COL_STEP: gl.constexpr = W if SPLIT_D else 0
-    if EARLY_Q:
-        gl.static_assert(SPLIT_D, "EARLY_Q: one key block's K / V halves")
-        mbarrier.expect(kv_bar, NUM_CONSUMERS * k_desc.block_type.nbytes)
-        for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(k_desc, [tma_batch, k_row0 + key0, head_kv, c * COL_STEP],
-                                            kv_bar, _tma_view(k_bufs.index(c), k_desc))
-        mbarrier.expect(v_bar, NUM_CONSUMERS * v_desc.block_type.nbytes)
-        if group * (m_max - m_min) == 0:  # no query block: V now (the consumers still wait for it)
-            _load_v_halves(v_desc, v_bufs, v_bar, tma_batch, k_row0 + key0, head_kv, NUM_CONSUMERS, COL_STEP)
-    else:
-        mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-        for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(k_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
-                                            kv_bar, _tma_view(k_bufs.index(c), k_desc))
-            tma.async_copy_global_to_shared(v_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
-                                            kv_bar,
-                                            _tma_view(v_bufs.index(c), v_desc))
+    mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
+                                        kv_bar, _tma_view(k_bufs.index(c), k_desc))
+        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
+                                        kv_bar,
+                                        _tma_view(v_bufs.index(c), v_desc))
     count = m_max - m_min
     # Same order as the consumers: query heads of the group outer, query blocks ascending.
     for it in range(group * count):
@@ -157,9 +137,6 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v
                                             _tma_view(q_ring.index(PIECES * stage + j), q_desc))
         tma.async_copy_global_to_shared(lse_desc, [tma_batch, head, stat0 + m * BM], q_ready.index(stage),
                                         _tma_view(lse_ring.index(stage), lse_desc))
-        if EARLY_Q:
-            if it == 0:
-                _load_v_halves(v_desc, v_bufs, v_bar, tma_batch, k_row0 + key0, head_kv, NUM_CONSUMERS, COL_STEP)
         mbarrier.expect(do_ready.index(stage), PIECES * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         for j in gl.static_range(PIECES):
             tma.async_copy_global_to_shared(do_desc, [tma_batch, q_row0 + m * BM, head, j * W], do_ready.index(stage),

@@ -37,6 +37,7 @@ the dP'^T side only needs P^T, so no two waits form a cycle.
 Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB, dp 16 KB
 (softcap only); lse / Delta rings 1 KB: 214512 B (230928 B with softcap) of 232448.
 """
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -44,7 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
-from .common import _acc_layout, _key_tile, _tma_view, descriptor, kernel_head_dim, stat_descriptor, to_16bit
+from .common import (_acc_layout, _key_tile, _tma_view, clock, descriptor, global_ns, kernel_head_dim, sm_id,
+                     stat_descriptor, to_16bit)
 from .common import launch as launch_kernel
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
@@ -53,7 +55,7 @@ HALF = 128     # head-dim columns per warpgroup
 
 
 @gluon.jit
-def _wg_scores(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
+def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
@@ -61,9 +63,8 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready
                dk_desc, dv_desc,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr,
-               TMA_EPILOGUE: gl.constexpr, EARLY_Q: gl.constexpr):
-    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). With
-    ``EARLY_Q`` ``kv_bar`` covers K alone and V has ``v_bar`` (``bwd._bwd_loader``)."""
+               TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr):
+    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128)."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -78,6 +79,8 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
+    if TIMELINE:
+        _stamp(DK, 4, clock())
     count = m_max - m_min
     bounds = (m_min, m_full_min, m_full_max, m_max)
     for g in range(group):
@@ -95,6 +98,9 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready
                 s_tok = warpgroup_mma(k_bufs.index(1), q_ring.index(2 * stage + 1).permute((1, 0)), s_tok,
                                       is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
+                if TIMELINE:
+                    if it == 0:
+                        _stamp(DK, 5, clock())
                 lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
                 if SOFTCAP:
                     t = tanh(s * qk_scale)
@@ -140,13 +146,16 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready
                     dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
-    if EARLY_Q:
-        mbarrier.wait(v_bar, 0)  # V's TMA landed before WG0 overwrites V half 0 (no block: not waited yet)
+    if TIMELINE:
+        _stamp(DK, 6, clock())
     if TMA_EPILOGUE:
         # K half 0 is read by WG0 only; V half 0 by WG1's dP'^T, whose last one retired
         # before WG1's last dS^T / dP'^T hand-off that WG0 waited for above
         _store_half_tma(dk * softmax_scale, dv, k_bufs.index(0), v_bufs.index(0), dk_desc, dv_desc,
                         tma_batch, key0, head_kv, 0)
+        if TIMELINE:
+            _stamp(DK, 7, clock())
+            _stamp(DK, 8, global_ns())
     else:
         _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                     start_k, key0, len_k, 0, o_layout, 2 * H)
@@ -170,13 +179,13 @@ def _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
 
 
 @gluon.jit
-def _wg_dprobs(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
+def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
-               PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, EARLY_Q: gl.constexpr):
+               PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM)."""
     dtype: gl.constexpr = k_bufs.dtype
@@ -190,16 +199,18 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, delta_ring, q_rea
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
-    if EARLY_Q:
-        mbarrier.wait(v_bar, 0)  # WG1 reads V, not K
-    else:
-        mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, 0)
+    if TIMELINE:
+        _stamp(DK, 9, clock())
     for it in range(group * (m_max - m_min)):
         stage = it % STAGES
         phase = (it // STAGES) & 1
         x = it & 1
         do_hi = do_ring.index(2 * stage + 1)
         dp = _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, it, STAGES, s_layout, col_layout)
+        if TIMELINE:
+            if it == 0:
+                _stamp(DK, 10, clock())
         if DS_WG1:
             mbarrier.wait(pt_ready, x)
             dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
@@ -227,14 +238,17 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, delta_ring, q_rea
             mbarrier.arrive(pt_free)
             mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
-    if EARLY_Q:
-        mbarrier.wait(kv_bar, 0)  # K's TMA landed before WG1 overwrites K half 1
+    if TIMELINE:
+        _stamp(DK, 11, clock())
     if TMA_EPILOGUE:
         # V half 1 is read by WG1 only; K half 1 by WG0's S^T, whose last one retired before
         # WG0's last P^T hand-off that WG1 waited for above. The TMA store clips the
         # columns past HEAD_DIM (192).
         _store_half_tma(dk * softmax_scale, dv, k_bufs.index(1), v_bufs.index(1), dk_desc, dv_desc,
                         tma_batch, key0, head_kv, H)
+        if TIMELINE:
+            _stamp(DK, 12, clock())
+            _stamp(DK, 13, global_ns())
     else:
         _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                     start_k, key0, len_k, H, o_layout, HEAD_DIM)
@@ -273,6 +287,15 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 
 
 @gluon.jit
+def _stamp(TL, slot: gl.constexpr, value):
+    """``TIMELINE`` probe: ``value`` into slot ``slot`` of this CTA's row of ``TIMELINE_SLOTS``
+    int64 in ``TL`` (one thread stores it)."""
+    cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+    row = TL.to(gl.pointer_type(gl.int64), bitcast=True) + cta.to(gl.int64) * 16  # TIMELINE_SLOTS
+    gl.store(row + slot, value.to(gl.int64))
+
+
+@gluon.jit
 def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc,
                          DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -281,7 +304,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, EARLY_Q: gl.constexpr):
+                         PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -291,11 +314,19 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
     gl.static_assert(HEAD_DIM > H and HEAD_DIM <= 2 * H, "head dims 192 / 256 (columns past it are padding)")
     gl.static_assert(not (TMA_EPILOGUE and IS_VARLEN), "TMA stores would cross into the next sequence")
+    gl.static_assert(TMA_EPILOGUE or not TIMELINE, "TIMELINE: DK is the timeline buffer (unused by TMA stores)")
 
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
      m_min, m_full_min, m_full_max, m_max) = _key_tile(
         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
         window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+    if TIMELINE:
+        _stamp(DK, 0, sm_id())
+        _stamp(DK, 1, global_ns())
+        _stamp(DK, 2, clock())
+        _stamp(DK, 3, group * (m_max - m_min))
+        _stamp(DK, 14, key0)
+        _stamp(DK, 15, head_kv)
 
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, H], dtype)
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, BM], dtype)
@@ -322,29 +353,24 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     dp_free = xbar.index(3)
     ds_ready = xbar.index(4)
     ds_free = xbar.index(5)
-    if EARLY_Q:  # V on a barrier of its own
-        v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(v_bar, count=1)
-    else:  # V shares kv_bar with K
-        v_bar = kv_bar
 
     gl.warp_specialize(
-        [(_wg_scores, (k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
+        [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE, EARLY_Q)),
-         (_wg_dprobs, (k_bufs, v_bufs, kv_bar, v_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE, TIMELINE)),
+         (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE, EARLY_Q)),
+                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE, TIMELINE)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
-                        2, STAGES, True, v_bar, EARLY_Q))],
+                        2, STAGES, True))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -356,6 +382,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
     assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"
     qk_scale, softcap_log2 = params.score_constants()
     tma_epilogue = cfg.tma_epilogue and not pb.varlen
+    grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     k_desc = descriptor(k, BLOCK_N, HALF)
     v_desc = descriptor(v, BLOCK_N, HALF)
     args = [descriptor(q, BLOCK_M, HALF), k_desc, v_desc,
@@ -363,13 +390,32 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             # unused without the TMA epilogue: K's / V's descriptors stand in
             descriptor(dk, BLOCK_N, HALF) if tma_epilogue else k_desc,
             descriptor(dv, BLOCK_N, HALF) if tma_epilogue else v_desc,
-            dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            _timeline(grid, tma_epilogue) if cfg.timeline else dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
-            cfg.packed_cvt, tma_epilogue, cfg.early_q]
-    return (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch), args
+            cfg.packed_cvt, tma_epilogue, cfg.timeline]
+    return grid, args
+
+
+# Probe instrumentation (``HopperBwdConfig.timeline``, never dispatched; scripts/bwd_timeline.py):
+# per CTA, TIMELINE_SLOTS int64 written into ``timeline_buffer`` (the caller's (CTAs,
+# TIMELINE_SLOTS) tensor, CTAs in grid order, axis 0 fastest): 0 SM id, 1 / 2 global ns /
+# SM clock at entry, 3 query blocks visited, 4-7 WG0's clock after K / V landed, after its
+# first S^T, after its last block, after its dK / dV stores, 8 WG0's global ns then; 9-13 the
+# same for WG1 (first dP^T); 14 first key, 15 KV head.
+TIMELINE_SLOTS = 16
+timeline_buffer = None
+
+
+def _timeline(grid, tma_epilogue):
+    ctas = grid[0] * grid[1] * grid[2]
+    buf = timeline_buffer
+    if not tma_epilogue or buf is None or buf.dtype != torch.int64 or buf.numel() < ctas * TIMELINE_SLOTS:
+        raise ValueError(f"timeline: set bwd256.timeline_buffer to an int64 tensor of >= {ctas} x "
+                         f"{TIMELINE_SLOTS} (dense batches, tma_epilogue on)")
+    return buf
 
 
 def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):

@@ -57,48 +57,22 @@ def to_16bit(x, dtype: gl.constexpr, PACKED: gl.constexpr):
         return x.to(dtype)
 
 
-@gluon.constexpr_function
-def _exp2_asm(pack):
-    """PTX for ``pack`` values of 2^x: the first ``pack - 1`` by ``ex2.approx.ftz.f32`` (the
-    MUFU unit, a quarter of the FMA rate: at head dim 64 the forward's exponentials take as
-    long as its matrix multiplies), the last on the FMA / integer units (~10 instructions
-    after ptxas): x clamped to -126, rounded to the integer n by the 1.5 * 2^23 trick,
-    f = x - n in [-0.5, 0.5], 2^f by a degree-4 polynomial (relative error 2.7e-6, below
-    bf16's 3.9e-3 and the lse tolerance), 2^n added to its exponent bits, and 0 for
-    x < -126 (masked scores, -inf)."""
-    x, out = f"${2 * pack - 1}", f"${pack - 1}"
-    lines = ["{", ".reg .f32 t, j, r, f, p;", ".reg .b32 ti, pi;", ".reg .pred lo;"]
-    lines += [f"ex2.approx.ftz.f32 ${i}, ${i + pack};" for i in range(pack - 1)]
-    lines += [f"max.ftz.f32 t, {x}, 0fC2FC0000;",      # -126.0
-              "add.rn.ftz.f32 j, t, 0f4B400000;",      # + 1.5 * 2^23: round(t) in the low bits
-              "sub.rn.ftz.f32 r, j, 0f4B400000;",
-              "sub.rn.ftz.f32 f, t, r;",
-              "fma.rn.ftz.f32 p, f, 0f3C1CCB95, 0f3D6509E2;",
-              "fma.rn.ftz.f32 p, p, f, 0f3E76036D;",
-              "fma.rn.ftz.f32 p, p, f, 0f3F31706F;",
-              "fma.rn.ftz.f32 p, p, f, 0f3F7FFFF4;",
-              "mov.b32 ti, j;", "shl.b32 ti, ti, 23;", "mov.b32 pi, p;", "add.s32 pi, pi, ti;",
-              "mov.b32 r, pi;",
-              f"setp.lt.ftz.f32 lo, {x}, 0fC2FC0000;",
-              f"selp.f32 {out}, 0f00000000, r, lo;", "}"]
-    return "\n".join(lines)
-
-
-@gluon.constexpr_function
-def _exp2_constraints(pack):
-    return ",".join(["=f"] * pack + ["f"] * pack)
+@gluon.jit
+def clock():
+    """This SM's cycle counter (``%clock64``; probe instrumentation)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
-def exp2_mixed(x, ONE_IN: gl.constexpr):
-    """2^x of fp32 ``x`` <= 0 (or -inf): ``gl.exp2`` (ONE_IN = 0), or with one value in every
-    ``ONE_IN`` (2, 4 or 8) computed on the FMA units instead of the MUFU (``_exp2_asm``)."""
-    if ONE_IN == 0:
-        return gl.exp2(x)
-    else:
-        gl.static_assert(ONE_IN == 2 or ONE_IN == 4 or ONE_IN == 8, "ONE_IN: 0, 2, 4 or 8")
-        return gl.inline_asm_elementwise(_exp2_asm(ONE_IN), _exp2_constraints(ONE_IN), [x], dtype=gl.float32,
-                                         is_pure=True, pack=ONE_IN)
+def global_ns():
+    """The GPU's global nanosecond timer (``%globaltimer``; probe instrumentation)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def sm_id():
+    """The SM this CTA runs on (``%smid``; probe instrumentation)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit

@@ -142,6 +142,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
         from . import bwd256
+        if cfg.timeline:  # the probe's buffer (only its dtype specializes the kernel)
+            bwd256.timeline_buffer = torch.empty(1 << 16, dtype=torch.int64)
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
         return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
@@ -213,9 +215,8 @@ def all_variants():
     """Tile options the dispatch does not use, bf16: the one-at-a-time 16-bit conversions of
     P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time since session 13)
     in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
-    register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with
-    ``early_q`` (not dispatched until measured), dense and varlen; the forward with
-    ``exp2_emu`` 2 / 4 / 8 at every tile. Every row's ``scalar_cvt`` counts the one-at-a-time
+    register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
+    ``timeline`` probe stamps. Every row's ``scalar_cvt`` counts the one-at-a-time
     conversions, ``mufu_ex2`` the exponentials left to the MUFU."""
     import dataclasses
 
@@ -234,15 +235,9 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False),
                              packed_cvt=False))
-    for f in ("plain", "causal", "window-softcap"):
-        for varlen in (False, True):
-            rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, early_q=True), varlen=varlen),
-                             packed_cvt=b256.packed_cvt, early_q=True))
-    for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
-        for one_in in (2, 4, 8):
-            for f in ("plain", "causal", "window-softcap"):
-                rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, exp2_emu=one_in)),
-                                 packed_cvt=c.packed_cvt, exp2_emu=one_in))
+    for f in ("plain", "causal"):
+        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
+                         packed_cvt=b256.packed_cvt, timeline=True))
     return rows
 
 
@@ -282,7 +277,7 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
     ap.add_argument("--variants", action="store_true",
-                    help="tile options not dispatched (packed_cvt off, early_q on)")
+                    help="tile options not dispatched (packed_cvt off, the timeline probe)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")

@@ -40,8 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, scores, visible
 from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     descriptor, exp2_mixed, kernel_head_dim, launch, num_sms, persistent_walk, schedule_table,
-                     to_16bit)
+                     descriptor, kernel_head_dim, launch, num_sms, persistent_walk, schedule_table, to_16bit)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -106,11 +105,10 @@ def _q_slot(local, Q_SLOTS: gl.constexpr):
 @gluon.jit
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, EXP2_EMU: gl.constexpr):
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
-    each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
-    ``EXP2_EMU``: one of every 2 / 4 / 8 of those exp2 on the FMA units (``common.exp2_mixed``)."""
+    each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale)."""
     if SOFTCAP:
         s = scores(s, qk_scale, softcap_log2, SOFTCAP)  # already log2-scaled
     if MASK:
@@ -125,9 +123,9 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
     else:
         m_use = m_new
     if SOFTCAP:
-        p = exp2_mixed(s - gl.expand_dims(m_use, 1), EXP2_EMU)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
     else:
-        p = exp2_mixed(s * qk_scale - gl.expand_dims(m_use, 1), EXP2_EMU)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -153,7 +151,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               qk_scale, softcap_log2, window_left, window_right,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, EXP2_EMU: gl.constexpr):
+              CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending."""
@@ -176,7 +174,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
-                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, EXP2_EMU)
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -194,7 +192,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, EXP2_EMU: gl.constexpr):
+                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -239,7 +237,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
-                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, EXP2_EMU)
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
             # Steps 1.. : masked right edge, unmasked middle, masked left edge (unrolled:
             # MASK is a compile-time constant per segment).
@@ -252,8 +250,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free,
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
-                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        EXP2_EMU)
+                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT)
             # Epilogue: the PV of the first key block.
             g_last = kv_base + count - 1
             last = g_last % STAGES
@@ -292,7 +289,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
-                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, EXP2_EMU: gl.constexpr):
+                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -338,7 +335,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, EXP2_EMU)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -346,7 +343,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, EXP2_EMU)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -354,7 +351,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, EXP2_EMU)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -371,7 +368,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, EXP2_EMU)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -379,7 +376,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, EXP2_EMU)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -430,8 +427,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
-            1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
-            cfg.exp2_emu]
+            1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1]]  # .., HEAD_DIM
     return grid, args
 
 
