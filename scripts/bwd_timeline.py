@@ -6,7 +6,7 @@ of query blocks (its intercept is the per-CTA fixed cost, its slope the cost of 
 the gaps an SM sits idle between one CTA's end and the next one's start, and the share of
 the kernel's span the SMs spend inside CTAs. Runs on an sm90 GPU.
 
-    python scripts/bwd_timeline.py [--cases 1x8192x36x256,16x1024x8x256] [--out DIR]
+    python scripts/bwd_timeline.py [--cases 1x8192x36x256,16x1024x8x256] [--config stagger=1] [--out DIR]
 
 One JSON line per case on stdout (+ DIR/bwd-timeline.json).
 """
@@ -24,15 +24,16 @@ from triflash.kernels import configs  # noqa: E402
 from triflash.kernels.hopper import bwd256  # noqa: E402
 
 
-def stamps(b, s, h, causal, runs=3):
-    """The timeline of the last of ``runs`` backward calls: (CTAs, TIMELINE_SLOTS) int64."""
+def stamps(b, s, h, causal, changes, runs=3):
+    """The timeline of the last of ``runs`` backward calls with the dispatched tile's fields
+    ``changes`` replaced: (CTAs, TIMELINE_SLOTS) int64."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     ctas = -(-s // bwd256.BLOCK_N) * h * b
     buf = torch.zeros(ctas, bwd256.TIMELINE_SLOTS, dtype=torch.int64, device="cuda")
     saved, saved_buf = configs.SM90_HOPPER_BWD[256], bwd256.timeline_buffer
-    configs.SM90_HOPPER_BWD[256] = dataclasses.replace(saved, timeline=True)
+    configs.SM90_HOPPER_BWD[256] = dataclasses.replace(saved, timeline=True, **changes)
     bwd256.timeline_buffer = buf
     try:
         with triflash.force_backend("hopper"):
@@ -96,19 +97,22 @@ def summarize(t):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x8192x36x256,16x1024x8x256")
+    ap.add_argument("--config", default="", help="HopperBwdConfig fields to change, k=v,... (ints)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    changes = {k: int(v) for k, v in (kv.split("=") for kv in a.config.split(",") if kv)}
     rows = []
     for case in a.cases.split(","):
         b, s, h, d = map(int, case.split("x"))
         assert d == 256, "the head-dim-256 dK/dV kernel"
         for causal in (False, True):
-            row = dict(case=case, causal=causal, **summarize(stamps(b, s, h, causal)))
+            row = dict(case=case, causal=causal, config=a.config, **summarize(stamps(b, s, h, causal, changes)))
             rows.append(row)
             print(json.dumps(row), flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bwd-timeline.json"), "w") as f:
+        tag = "-" + a.config.replace("=", "").replace(",", "-") if a.config else ""
+        with open(os.path.join(a.out, f"bwd-timeline{tag}.json"), "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 

@@ -125,6 +125,12 @@ class HopperBwdConfig:
     # Probe instrumentation, never dispatched (head dim 256, dense, with tma_epilogue): per-CTA
     # clock stamps into ``hopper.bwd256.timeline_buffer`` (scripts/bwd_timeline.py).
     timeline: bool = False
+    # Head dim 256 only: WG1 issues a block's dP'^T once WG0's S^T of the block has retired
+    # (1) or has been issued (2; ``st_done``), so that the tensor cores run dP'^T while WG0
+    # computes P^T instead of idling (both matmuls at once, then both warpgroups waiting on
+    # WG0's exponentials: per block ~2650 cycles against the ~2050 of its four matmuls,
+    # probes/bwd-timeline-e0f3479.json). 0: off.
+    stagger: int = 0
     consumer_regs: int = 240
     loader_regs: int = 24
 
