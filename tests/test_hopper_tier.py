@@ -168,19 +168,19 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("stagger", [1, 2])
+@pytest.mark.parametrize("reg_a", [1, 2])
 @pytest.mark.parametrize("d", [192, 256])
-def test_hopper_bwd256_stagger_same_bits(d, stagger, mask, shape, monkeypatch):
-    """The head-dim-256 dK/dV kernel's ``stagger`` (WG1's dP^T issued after WG0's S^T of the
-    same block) changes when the matmuls run, not what they compute: the gradients' bits
-    equal the dispatched tile's (head dim 256 adds dQ without atomics, so both runs are
-    deterministic). 777 x 2048 with a left window of 200 leaves key tiles that no query
-    block visits; softcap runs the fp32 dP^T hand-off instead of dS^T by WG1."""
+def test_hopper_bwd256_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
+    """The head-dim-256 dK/dV kernel's ``reg_a`` (K / V halves as the S^T / dP^T wgmmas' A
+    operand from registers instead of shared memory) changes where the operand is read,
+    not the products: the gradients' bits equal the tile's without it (head dim 256 adds dQ
+    without atomics, so both runs are deterministic). 777 x 2048 with a left window of 200
+    leaves key tiles that no query block visits; with softcap the option is not applied."""
     import dataclasses
     from triflash.kernels import configs
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
-    g = torch.Generator(device="cuda").manual_seed(d + sk + stagger)
+    g = torch.Generator(device="cuda").manual_seed(d + sk + reg_a)
     q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
             for _ in range(2))
@@ -191,9 +191,9 @@ def test_hopper_bwd256_stagger_same_bits(d, stagger, mask, shape, monkeypatch):
             out = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
             return torch.autograd.grad(out, (q, k, v), dout)
     cfg = configs.SM90_HOPPER_BWD[256]
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(cfg, stagger=0))
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(cfg, reg_a=0))
     plain = run()
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(cfg, stagger=stagger))
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(cfg, reg_a=reg_a))
     for name, a, b in zip(("dq", "dk", "dv"), plain, run()):
         assert torch.equal(a, b), name
 

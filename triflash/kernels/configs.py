@@ -125,12 +125,16 @@ class HopperBwdConfig:
     # Probe instrumentation, never dispatched (head dim 256, dense, with tma_epilogue): per-CTA
     # clock stamps into ``hopper.bwd256.timeline_buffer`` (scripts/bwd_timeline.py).
     timeline: bool = False
-    # Head dim 256 only: WG1 issues a block's dP'^T once WG0's S^T of the block has retired
-    # (1) or has been issued (2; ``st_done``), so that the tensor cores run dP'^T while WG0
-    # computes P^T instead of idling (both matmuls at once, then both warpgroups waiting on
-    # WG0's exponentials: per block ~2650 cycles against the ~2050 of its four matmuls,
-    # probes/bwd-timeline-e0f3479.json). 0: off.
-    stagger: int = 0
+    # Head dim 256 only: the first ``reg_a`` (0, 1, 2) column halves of K (WG0's S^T) and V
+    # (WG1's dP'^T) held in registers as the wgmmas' A operand instead of read from shared
+    # memory on every query block: per block the kernel moves ~296 KB through shared memory
+    # (the S^T / dP'^T wgmmas at N = 64 read 4 KB per 32 cycles each), more than its four
+    # matmuls' ~2050 cycles at 128 B per cycle; K and V in registers take 64 KB off that.
+    reg_a: int = 0
+    # (Measured and removed in session 14: WG1's dP'^T issued after WG0's S^T of the block had
+    # retired / been issued, ``stagger``, so that the tensor cores would run dP'^T during WG0's
+    # exponentials: seed 439.5 -> 432.7 / 441.8, causal 429.2 -> 422.1 / 425.5,
+    # probes/bwd-probe-rounds-d256-19d33dc.json.)
     consumer_regs: int = 240
     loader_regs: int = 24
 

@@ -56,17 +56,16 @@ HALF = 128     # head-dim columns per warpgroup
 
 @gluon.jit
 def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free, st_done,
+               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr,
-               TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr, STAGGER: gl.constexpr):
-    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). ``STAGGER``
-    (``configs.HopperBwdConfig.stagger``): ``st_done`` arrives once a block's S^T has retired
-    (1) or has been issued (2); WG1 issues its dP'^T after that."""
+               TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr, REG_A: gl.constexpr):
+    """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). ``REG_A``
+    (``configs.HopperBwdConfig.reg_a``): the first ``REG_A`` K halves in registers."""
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -81,6 +80,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
+    k0, k1 = _a_operands(k_bufs, REG_A, s_layout)
     if TIMELINE:
         _stamp(DK, 4, clock())
     count = m_max - m_min
@@ -95,15 +95,10 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                 x = it & 1  # exchange-barrier phase of this query block
                 mbarrier.wait(q_ready.index(stage), phase)
                 q_lo = q_ring.index(2 * stage)
-                s_tok = warpgroup_mma(k_bufs.index(0), q_lo.permute((1, 0)),
+                s_tok = warpgroup_mma(k0, q_lo.permute((1, 0)),
                                       gl.zeros([KN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
-                s_tok = warpgroup_mma(k_bufs.index(1), q_ring.index(2 * stage + 1).permute((1, 0)), s_tok,
-                                      is_async=True)
-                if STAGGER == 2:
-                    mbarrier.arrive(st_done)
+                s_tok = warpgroup_mma(k1, q_ring.index(2 * stage + 1).permute((1, 0)), s_tok, is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
-                if STAGGER == 1:
-                    mbarrier.arrive(st_done)
                 if TIMELINE:
                     if it == 0:
                         _stamp(DK, 5, clock())
@@ -170,32 +165,47 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
 
 
 @gluon.jit
-def _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, st_done, it, STAGES: gl.constexpr,
-              s_layout: gl.constexpr, col_layout: gl.constexpr, STAGGER: gl.constexpr):
-    """dP'^T = V dO^T - Delta of ring slot ``it``, waited for; with ``STAGGER`` issued once
-    WG0's S^T of the block has retired."""
-    KN: gl.constexpr = v_bufs.shape[1]
+def _a_operands(bufs, REG_A: gl.constexpr, acc_layout: gl.constexpr):
+    """The two column halves of a K or V tile as the A operands of S^T / dP'^T: the first
+    ``REG_A`` loaded into registers (wgmma reads them there, not from shared memory, on
+    every query block), the rest the shared tiles."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=32 // bufs.dtype.primitive_bitwidth)
+    if REG_A > 0:
+        a0 = bufs.index(0).load(a_layout)
+    else:
+        a0 = bufs.index(0)
+    if REG_A > 1:
+        a1 = bufs.index(1).load(a_layout)
+    else:
+        a1 = bufs.index(1)
+    return a0, a1
+
+
+@gluon.jit
+def _dprobs_t(v0, v1, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, col_layout: gl.constexpr):
+    """dP'^T = V dO^T - Delta of ring slot ``it`` (``v0`` / ``v1``: V's halves, shared or
+    registers), waited for."""
+    KN: gl.constexpr = v0.shape[0]
     BM: gl.constexpr = do_ring.shape[1]
     stage = it % STAGES
     mbarrier.wait(do_ready.index(stage), (it // STAGES) & 1)
-    if STAGGER > 0:
-        mbarrier.wait(st_done, it & 1)
     acc = gl.zeros([KN, BM], gl.float32, s_layout) - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0)
-    dp_tok = warpgroup_mma(v_bufs.index(0), do_ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
-    dp_tok = warpgroup_mma(v_bufs.index(1), do_ring.index(2 * stage + 1).permute((1, 0)), dp_tok,
-                           is_async=True)
+    dp_tok = warpgroup_mma(v0, do_ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
+    dp_tok = warpgroup_mma(v1, do_ring.index(2 * stage + 1).permute((1, 0)), dp_tok, is_async=True)
     return warpgroup_mma_wait(0, deps=(dp_tok,))
 
 
 @gluon.jit
 def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free, st_done,
+               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
                PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
-               STAGGER: gl.constexpr):
+               REG_A: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM)."""
     dtype: gl.constexpr = k_bufs.dtype
@@ -210,6 +220,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
+    v0, v1 = _a_operands(v_bufs, REG_A, s_layout)
     if TIMELINE:
         _stamp(DK, 9, clock())
     for it in range(group * (m_max - m_min)):
@@ -217,7 +228,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
         phase = (it // STAGES) & 1
         x = it & 1
         do_hi = do_ring.index(2 * stage + 1)
-        dp = _dprobs_t(v_bufs, do_ring, delta_ring, do_ready, st_done, it, STAGES, s_layout, col_layout, STAGGER)
+        dp = _dprobs_t(v0, v1, do_ring, delta_ring, do_ready, it, STAGES, s_layout, col_layout)
         if TIMELINE:
             if it == 0:
                 _stamp(DK, 10, clock())
@@ -315,7 +326,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
                          PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
-                         STAGGER: gl.constexpr):
+                         REG_A: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -355,9 +366,8 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     ds_buf = gl.allocate_shared_memory(dtype, [KN, BM], x_layout)
     dp_buf = gl.allocate_shared_memory(gl.float32, [KN, BM], dp_layout)
     kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, 2)
-    NX: gl.constexpr = 7 if STAGGER > 0 else 6
-    xbar = gl.allocate_shared_memory(gl.int64, [NX, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NX):
+    xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(6):
         mbarrier.init(xbar.index(i), count=1)
     pt_ready = xbar.index(0)
     pt_free = xbar.index(1)
@@ -365,21 +375,20 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     dp_free = xbar.index(3)
     ds_ready = xbar.index(4)
     ds_free = xbar.index(5)
-    st_done = xbar.index(NX - 1)  # (STAGGER only; else ds_free, never used as st_done)
 
     gl.warp_specialize(
         [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                       st_done, DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE, TIMELINE, STAGGER)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE, TIMELINE, REG_A)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                       st_done, DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE, TIMELINE, STAGGER)),
+                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE, TIMELINE, REG_A)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -408,7 +417,8 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
-            cfg.packed_cvt, tma_epilogue, cfg.timeline, cfg.stagger]
+            cfg.packed_cvt, tma_epilogue, cfg.timeline,
+            cfg.reg_a if params.softcap == 0.0 else 0]  # (with softcap the registers spill)
     return grid, args
 
 
