@@ -229,10 +229,12 @@ def test_tile_variants_compile_for_sm90a():
     ``packed_cvt`` off (LLVM's one-at-a-time 16-bit conversions of P / dS; the dispatched
     tiles pack two at a time since session 13, ``hopper.common.to_16bit``), where the forward
     does convert one at a time (384 times at head dim 128; the dispatched forward never, test
-    above); the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps."""
+    above); the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps, and with K / V
+    read from shared memory (``reg_a`` 0, dispatched before session 14)."""
     rows = _compiled("variants")
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     assert {r["feature"] for r in rows if r.get("timeline")} == {"plain", "causal"}
+    assert {r["feature"] for r in rows if r.get("reg_a") == 0} == {"plain", "causal"}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r["kernel"] == "hopper_fwd":

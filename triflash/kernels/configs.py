@@ -130,6 +130,11 @@ class HopperBwdConfig:
     # memory on every query block: per block the kernel moves ~296 KB through shared memory
     # (the S^T / dP'^T wgmmas at N = 64 read 4 KB per 32 cycles each), more than its four
     # matmuls' ~2050 cycles at 128 B per cycle; K and V in registers take 64 KB off that.
+    # Measured (session 14, 9cefcf9, five interleaved rounds; probes/bwd-probe-rounds-d256-
+    # 9cefcf9.json): 1 (the first halves, 32 KB per block) seed 439.2 -> 448.7 / 429.4 -> 430.7
+    # TFLOPS, 16x1024x8x256 370.9 -> 368.1 / 292.6 -> 294.3; the kernel's own clock stamps put
+    # a query block at 2579 cycles against 2720 (probes/bwd-timeline-{reg_a1-9cefcf9,
+    # e0f3479}.json). 2 spills 680 B and ran at 372.7 / 352.2. Not with softcap (spills).
     reg_a: int = 0
     # (Measured and removed in session 14: WG1's dP'^T issued after WG0's S^T of the block had
     # retired / been issued, ``stagger``, so that the tensor cores would run dP'^T during WG0's
@@ -240,7 +245,8 @@ SM90_HOPPER_BWD = {
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.
-    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True, tma_epilogue=True),
+    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True, tma_epilogue=True,
+                         reg_a=1),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).
