@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# One device call that measures tile options against the dispatched tiles (session 13:
-# packed_cvt everywhere, tma_epilogue in the head-dim-256 dK/dV kernel; the variants are
-# --config specs, '' = as dispatched):
+# One device call that measures tile options against the dispatched tiles (session 14:
+# packed_cvt everywhere, tma_epilogue and reg_a=1 in the head-dim-256 dK/dV kernel; the
+# variants are --config specs, '' = as dispatched):
 # their GPU tests first, then forward and backward variants in interleaved rounds beside
 # cuDNN. Each step under its own timeout; results under OUT_DIR.
-# Usage (repo root, on the H200):  [STEPS="tests bwd256 bwd128 fwd fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
-# (all five take ~10 minutes: two device calls, e.g. STEPS="tests bwd256 fixed", then
-# STEPS="bwd128 fwd")
+# Usage (repo root, on the H200):  [STEPS="tests bwd256 bwd128 bwd64 fwd fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
+# (all six take ~10 minutes: two device calls, e.g. STEPS="tests bwd256 fixed", then
+# STEPS="bwd128 bwd64 fwd")
 set -u
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-variants-out}"; mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# (7 files come back, 8 with FIXED_COST=1: the device returns 8 at most)
+# (the default steps bring back 7 files; bwd64 adds 2, fixed 1: the device returns 8 at most,
+# so split the steps over two calls)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv; echo "commit $COMMIT"
 step() {  # step NAME TIMEOUT CMD...
   local name="$1" t="$2"; shift 2
@@ -24,12 +25,14 @@ STEPS=" ${STEPS:-tests bwd256 bwd128 fwd} "
 [[ -n "${FIXED_COST:-}" ]] && STEPS="$STEPS fixed "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
-  -k "${TEST_K:-packed_cvt or timeline}"
-BV="${BWD_VARIANTS:-;tma_epilogue=0}"
+  -k "${TEST_K:-packed_cvt or timeline or reg_a}"
+BV="${BWD_VARIANTS:-;reg_a=0}"
 has bwd256 && step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
 has bwd128 && step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
-  --cases 2x8192x16x128 --variants "${BWD128_VARIANTS:-;atomic_stages=3}" --out "$OUT_DIR" --tag="-$COMMIT"
+  --cases 2x8192x16x128 --variants "${BWD128_VARIANTS:-;reg_a=1}" --out "$OUT_DIR" --tag="-$COMMIT"
+has bwd64 && step bwd64 "${T_BWD64:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 64 --rounds 5 \
+  --cases 2x8192x32x64 --variants "${BWD64_VARIANTS:-;reg_a=1;reg_a=2}" --out "$OUT_DIR" --tag="-$COMMIT"
 has fwd && step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
   --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;packed_cvt=0}" \
   --out "$OUT_DIR" --tag="-$COMMIT"

@@ -235,6 +235,7 @@ def test_tile_variants_compile_for_sm90a():
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     assert {r["feature"] for r in rows if r.get("timeline")} == {"plain", "causal"}
     assert {r["feature"] for r in rows if r.get("reg_a") == 0} == {"plain", "causal"}
+    assert {(r["headdim"], r["feature"]) for r in rows if r.get("reg_a") == 2} == {(64, "plain"), (64, "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r["kernel"] == "hopper_fwd":

@@ -169,13 +169,14 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("reg_a", [1, 2])
-@pytest.mark.parametrize("d", [192, 256])
-def test_hopper_bwd256_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
-    """The head-dim-256 dK/dV kernel's ``reg_a`` (K / V halves as the S^T / dP^T wgmmas' A
-    operand from registers instead of shared memory) changes where the operand is read,
-    not the products: the gradients' bits equal the tile's without it (head dim 256 adds dQ
-    without atomics, so both runs are deterministic). 777 x 2048 with a left window of 200
-    leaves key tiles that no query block visits; with softcap the option is not applied."""
+@pytest.mark.parametrize("d", [64, 192, 256])
+def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
+    """The dK/dV kernels' ``reg_a`` (K / V tiles as the S^T / dP^T wgmmas' A operand from
+    registers instead of shared memory; dispatched at 256 with 1, built for 64) changes
+    where the operand is read, not the products: the gradients' bits equal the tile's
+    without it (deterministic=True: the dQ kernel, no atomics). 777 x 2048 with a left
+    window of 200 leaves key tiles that no query block visits; with softcap the option is
+    not applied."""
     import dataclasses
     from triflash.kernels import configs
     sq, sk, h, hk = shape
@@ -188,12 +189,14 @@ def test_hopper_bwd256_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
 
     def run():
         with triflash.force_backend("hopper"):
-            out = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+            out = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                           deterministic=True)
             return torch.autograd.grad(out, (q, k, v), dout)
-    cfg = configs.SM90_HOPPER_BWD[256]
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(cfg, reg_a=0))
+    tile = 256 if d == 192 else d
+    cfg = configs.SM90_HOPPER_BWD[tile]
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile, dataclasses.replace(cfg, reg_a=0))
     plain = run()
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(cfg, reg_a=reg_a))
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile, dataclasses.replace(cfg, reg_a=reg_a))
     for name, a, b in zip(("dq", "dk", "dv"), plain, run()):
         assert torch.equal(a, b), name
 

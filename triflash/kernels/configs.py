@@ -125,9 +125,10 @@ class HopperBwdConfig:
     # Probe instrumentation, never dispatched (head dim 256, dense, with tma_epilogue): per-CTA
     # clock stamps into ``hopper.bwd256.timeline_buffer`` (scripts/bwd_timeline.py).
     timeline: bool = False
-    # Head dim 256 only: the first ``reg_a`` (0, 1, 2) column halves of K (WG0's S^T) and V
-    # (WG1's dP'^T) held in registers as the wgmmas' A operand instead of read from shared
-    # memory on every query block: per block the kernel moves ~296 KB through shared memory
+    # The first ``reg_a`` (0, 1, 2) of each consumer warpgroup's two 64 x 128 A-operand tiles
+    # held in registers instead of read from shared memory by every query block's wgmmas
+    # (head dim 256: WG0's K halves for S^T, WG1's V halves for dP'^T; 64 / 128, hopper/bwd.py:
+    # the warpgroup's K, then its V). At 256 per block the kernel moves ~296 KB through shared memory
     # (the S^T / dP'^T wgmmas at N = 64 read 4 KB per 32 cycles each), more than its four
     # matmuls' ~2050 cycles at 128 B per cycle; K and V in registers take 64 KB off that.
     # Measured (session 14, 9cefcf9, five interleaved rounds; probes/bwd-probe-rounds-d256-

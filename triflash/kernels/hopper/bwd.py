@@ -69,8 +69,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
-from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, descriptor, kernel_head_dim, launch,
-                     stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add, to_16bit)
+from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, a_operand, descriptor, kernel_head_dim,
+                     launch, stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -153,7 +153,8 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
-    returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ."""
+    returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ. ``k_buf`` /
+    ``v_buf``: the S^T / dP^T wgmmas' A operands, shared tiles or registers (``REG_A``)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -273,10 +274,12 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr):
+                  C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
+                  REG_A: gl.constexpr):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
-    every query block's dQ over the CTA's keys."""
+    every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
+    1: K, 2: K and V held in registers as the S^T / dP^T wgmmas' A operand."""
     k_buf = k_bufs.index(C)
     v_buf = v_bufs.index(C)
     KR: gl.constexpr = k_buf.shape[0]
@@ -295,6 +298,8 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     neg_inv_scale = -1.0 / qk_scale
 
     mbarrier.wait(kv_bar, 0)
+    k_a = a_operand(k_buf, REG_A > 0, s_layout)
+    v_a = a_operand(v_buf, REG_A > 1, s_layout)
     count = m_max - m_min
     for g in range(group):
         head = head_kv * group + g
@@ -304,7 +309,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
         bounds = (m_min, m_full_min, m_full_max, m_max)
         for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
             for m in range(bounds[seg], bounds[seg + 1]):
-                dk, dv = _bwd_step(base + m, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring,
+                dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
                                    q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
@@ -344,7 +349,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PACKED_CVT: gl.constexpr):
+                      PACKED_CVT: gl.constexpr, REG_A: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -397,14 +402,16 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
+                          REG_A)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                           tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
+                          REG_A)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -473,7 +480,8 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt]  # .., HEAD_DIM, PACKED_CVT
+            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt,  # .., HEAD_DIM, PACKED_CVT
+            cfg.reg_a if params.softcap == 0.0 else 0]
 
 
 def stats(pb, out, dout, lse):

@@ -34,8 +34,13 @@ previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
 ``ds_ready`` / ``ds_free``. The P^T writer never waits for dS^T before writing P^T, and
 the dP'^T side only needs P^T, so no two waits form a cycle.
 
+``REG_A`` (dispatched: 1, not with softcap): the first column half of K (WG0) and of V (WG1)
+held in registers as the A operand of S^T / dP'^T, so that those wgmmas read only Q / dO
+from shared memory (the kernel is bound by shared-memory traffic: benchmarks/NOTES.md,
+b8688a0). ``TIMELINE``: probe clock stamps per CTA (``timeline_buffer`` below).
+
 Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB, dp 16 KB
-(softcap only); lse / Delta rings 1 KB: 214512 B (230928 B with softcap) of 232448.
+(softcap only); lse / Delta rings 1 KB: 214480 B (230912 B with softcap) of 232448.
 """
 import torch
 from triton.experimental import gluon
@@ -45,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
-from .common import (_acc_layout, _key_tile, _tma_view, clock, descriptor, global_ns, kernel_head_dim, sm_id,
+from .common import (_acc_layout, _key_tile, _tma_view, a_operand, clock, descriptor, global_ns, kernel_head_dim, sm_id,
                      stat_descriptor, to_16bit)
 from .common import launch as launch_kernel
 
@@ -80,7 +85,8 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
-    k0, k1 = _a_operands(k_bufs, REG_A, s_layout)
+    k0 = a_operand(k_bufs.index(0), REG_A > 0, s_layout)  # the first REG_A halves in registers
+    k1 = a_operand(k_bufs.index(1), REG_A > 1, s_layout)
     if TIMELINE:
         _stamp(DK, 4, clock())
     count = m_max - m_min
@@ -165,24 +171,6 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
 
 
 @gluon.jit
-def _a_operands(bufs, REG_A: gl.constexpr, acc_layout: gl.constexpr):
-    """The two column halves of a K or V tile as the A operands of S^T / dP'^T: the first
-    ``REG_A`` loaded into registers (wgmma reads them there, not from shared memory, on
-    every query block), the rest the shared tiles."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                 k_width=32 // bufs.dtype.primitive_bitwidth)
-    if REG_A > 0:
-        a0 = bufs.index(0).load(a_layout)
-    else:
-        a0 = bufs.index(0)
-    if REG_A > 1:
-        a1 = bufs.index(1).load(a_layout)
-    else:
-        a1 = bufs.index(1)
-    return a0, a1
-
-
-@gluon.jit
 def _dprobs_t(v0, v1, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
               s_layout: gl.constexpr, col_layout: gl.constexpr):
     """dP'^T = V dO^T - Delta of ring slot ``it`` (``v0`` / ``v1``: V's halves, shared or
@@ -220,7 +208,8 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
     dk = gl.zeros([KN, H], gl.float32, o_layout)
     dv = gl.zeros([KN, H], gl.float32, o_layout)
     mbarrier.wait(kv_bar, 0)
-    v0, v1 = _a_operands(v_bufs, REG_A, s_layout)
+    v0 = a_operand(v_bufs.index(0), REG_A > 0, s_layout)
+    v1 = a_operand(v_bufs.index(1), REG_A > 1, s_layout)
     if TIMELINE:
         _stamp(DK, 9, clock())
     for it in range(group * (m_max - m_min)):

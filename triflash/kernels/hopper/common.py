@@ -58,6 +58,18 @@ def to_16bit(x, dtype: gl.constexpr, PACKED: gl.constexpr):
 
 
 @gluon.jit
+def a_operand(buf, IN_REGISTERS: gl.constexpr, acc_layout: gl.constexpr):
+    """A shared [M, K] tile as the A operand of wgmmas accumulating in ``acc_layout``:
+    loaded once into registers (each wgmma then reads A there, not from shared memory) or
+    the shared tile itself."""
+    if IN_REGISTERS:
+        return buf.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                            k_width=32 // buf.dtype.primitive_bitwidth))
+    else:
+        return buf
+
+
+@gluon.jit
 def clock():
     """This SM's cycle counter (``%clock64``; probe instrumentation)."""
     return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
