@@ -54,8 +54,7 @@ def _apply_overrides(spec):
     kw = {}
     for item in spec.split(","):
         key, val = item.split("=")
-        kw[key] = bool(int(val)) if key in ("pingpong", "persistent", "persistent_masked", "persistent_unmasked",
-                                            "packed_cvt") else int(val)
+        kw[key] = type(getattr(configs.SM90_HOPPER_FWD[128], key))(int(val))  # bool fields as bools
     for d in list(configs.SM90_HOPPER_FWD):
         configs.SM90_HOPPER_FWD[d] = dataclasses.replace(configs.SM90_HOPPER_FWD[d], **kw)
 

@@ -25,7 +25,7 @@ STEPS=" ${STEPS:-tests bwd256 bwd128 fwd} "
 [[ -n "${FIXED_COST:-}" ]] && STEPS="$STEPS fixed "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
-  -k "${TEST_K:-packed_cvt or timeline or reg_a}"
+  -k "${TEST_K:-packed_cvt or timeline or reg_a or q_regs}"
 BV="${BWD_VARIANTS:-;reg_a=0}"
 has bwd256 && step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
@@ -34,7 +34,7 @@ has bwd128 && step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py 
 has bwd64 && step bwd64 "${T_BWD64:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 64 --rounds 5 \
   --cases 2x8192x32x64 --variants "${BWD64_VARIANTS:-;reg_a=1;reg_a=2}" --out "$OUT_DIR" --tag="-$COMMIT"
 has fwd && step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
-  --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;packed_cvt=0}" \
+  --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;q_regs=1}" \
   --out "$OUT_DIR" --tag="-$COMMIT"
 # the dK/dV kernel's per-CTA fixed cost (docs/hopper-tier.md section 7 item 1)
 # (its log to stdout only: with its JSON that makes the 8th file)

@@ -165,6 +165,40 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [96, 128])
+def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
+    """The forward's ``q_regs`` (Q as the S wgmmas' A operand from registers instead of
+    shared memory; built in session 14, not dispatched until measured) changes where Q is
+    read, not the products: out and lse keep their bits. Dense tiles of every walk (one CTA
+    per tile, persistent, scheduled under masks) and a varlen batch."""
+    import dataclasses
+    from triflash.kernels import configs
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
+
+    def run():
+        with triflash.force_backend("hopper"):
+            dense = triflash.flash_attn_func(q, k, v, **kw)
+            varlen = triflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                     cu_q, cu_k, sq, sk, **kw)
+            return (*dense, *varlen)
+    cfg = configs.SM90_HOPPER_FWD[128]
+    assert not cfg.q_regs
+    plain = run()
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, 128, dataclasses.replace(cfg, q_regs=True))
+    for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), plain, run()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -55,6 +55,10 @@ class HopperFwdConfig:
     # a degree-4 polynomial instead of the MUFU, ``exp2_emu``; slower at every head dim, e.g.
     # 2x8192x32x64 506.9 -> 451.6 / 479.8, seed 673.1 -> 631.7 / 662.5 TFLOPS:
     # probes/fwd-rounds-exp2emu-944291a.txt.)
+    # Q held in registers as the A operand of every S = Q K^T wgmma instead of read from
+    # shared memory by each (2 of the 6 KB an m64n128k16 reads), the shared-memory arithmetic
+    # that made ``HopperBwdConfig.reg_a`` pay in the backward. Off until measured (session 14).
+    q_regs: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, scores, visible
 from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     descriptor, kernel_head_dim, launch, num_sms, persistent_walk, schedule_table, to_16bit)
+                     a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk, schedule_table, to_16bit)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -154,7 +154,8 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
-    returns the state with P_it pending."""
+    returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
+    registers (``Q_REGS``)."""
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
@@ -192,7 +193,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr):
+                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -221,6 +222,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         slot, use = _q_slot(local, Q_SLOTS)
         q_buf = q_bufs.index(slot * NUM_CONSUMERS + CID)
         mbarrier.wait(q_ready.index(slot), use & 1)
+        q_a = a_operand(q_buf, Q_REGS, s_layout)  # (Q_REGS: every S wgmma reads Q from registers)
         count = n_max - n_min
         if count > 0:
             # Prologue: the last key block, always through the mask (it may be the diagonal
@@ -228,7 +230,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             stage = kv_base % STAGES
             _take_turn(turns, turn, CID, PINGPONG)
             mbarrier.wait(k_ready.index(stage), (kv_base // STAGES) & 1)
-            s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
+            s_tok = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
@@ -247,7 +249,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             for seg in gl.static_range(3):
                 for it in range(bounds[seg], bounds[seg + 1]):
                     o_acc, m_i, l_i, p_prev = _fwd_step(
-                        kv_base + it, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free,
+                        kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT)
@@ -289,7 +291,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
-                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr):
+                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -335,7 +337,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -343,7 +345,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -351,7 +353,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -368,7 +370,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -376,7 +378,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -427,7 +429,8 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
-            1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1]]  # .., HEAD_DIM
+            1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
+            cfg.q_regs]
     return grid, args
 
 
