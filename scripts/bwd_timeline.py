@@ -6,7 +6,7 @@ of query blocks (its intercept is the per-CTA fixed cost, its slope the cost of 
 the gaps an SM sits idle between one CTA's end and the next one's start, and the share of
 the kernel's span the SMs spend inside CTAs. Runs on an sm90 GPU.
 
-    python scripts/bwd_timeline.py [--cases 1x8192x36x256,16x1024x8x256] [--config stagger=1] [--out DIR]
+    python scripts/bwd_timeline.py [--cases 1x8192x36x256,16x1024x8x256] [--config reg_a=0] [--out DIR]
 
 One JSON line per case on stdout (+ DIR/bwd-timeline.json).
 """
