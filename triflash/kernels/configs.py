@@ -152,6 +152,11 @@ class HopperBwdConfig:
     def block_n(self) -> int:
         return 64 * self.num_consumers
 
+    def reg_a_for(self, softcap: float) -> int:
+        """``reg_a`` where it applies: not with softcap (its tanh temporaries next to the
+        register-held tiles spill)."""
+        return self.reg_a if softcap == 0.0 else 0
+
 
 # The CPU interpreter: tiles small enough that test sequences of ~100-800 tokens span
 # several blocks (edge masks, partial blocks and the unmasked middle all run), large enough

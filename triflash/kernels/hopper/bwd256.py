@@ -301,7 +301,7 @@ def _stamp(TL, slot: gl.constexpr, value):
     """``TIMELINE`` probe: ``value`` into slot ``slot`` of this CTA's row of ``TIMELINE_SLOTS``
     int64 in ``TL`` (one thread stores it)."""
     cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    row = TL.to(gl.pointer_type(gl.int64), bitcast=True) + cta.to(gl.int64) * 16  # TIMELINE_SLOTS
+    row = TL.to(gl.pointer_type(gl.int64), bitcast=True) + cta.to(gl.int64) * _SLOTS
     gl.store(row + slot, value.to(gl.int64))
 
 
@@ -401,13 +401,13 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             # unused without the TMA epilogue: K's / V's descriptors stand in
             descriptor(dk, BLOCK_N, HALF) if tma_epilogue else k_desc,
             descriptor(dv, BLOCK_N, HALF) if tma_epilogue else v_desc,
-            _timeline(grid, tma_epilogue) if cfg.timeline else dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            _timeline(grid, tma_epilogue) if cfg.timeline else dk, dv,  # (DK: the probe's buffer)
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
-            cfg.packed_cvt, tma_epilogue, cfg.timeline,
-            cfg.reg_a if params.softcap == 0.0 else 0]  # (with softcap the registers spill)
+            cfg.packed_cvt, tma_epilogue, cfg.timeline, cfg.reg_a_for(params.softcap)]
     return grid, args
 
 
@@ -418,6 +418,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
 # first S^T, after its last block, after its dK / dV stores, 8 WG0's global ns then; 9-13 the
 # same for WG1 (first dP^T); 14 first key, 15 KV head.
 TIMELINE_SLOTS = 16
+_SLOTS = gl.constexpr(TIMELINE_SLOTS)  # (the same, as the kernels see it)
 timeline_buffer = None
 
 
