@@ -171,9 +171,9 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
 @pytest.mark.parametrize("d", [96, 128])
 def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
     """The forward's ``q_regs`` (Q as the S wgmmas' A operand from registers instead of
-    shared memory; built in session 14, not dispatched until measured) changes where Q is
-    read, not the products: out and lse keep their bits. Dense tiles of every walk (one CTA
-    per tile, persistent, scheduled under masks) and a varlen batch."""
+    shared memory; dispatched at 128 since session 15) changes where Q is read, not the
+    products: out and lse keep the bits of the tile without it. Dense tiles of every walk
+    (one CTA per tile, persistent, scheduled under masks) and a varlen batch."""
     import dataclasses
     from triflash.kernels import configs
     sq, sk, h, hk = shape
@@ -192,7 +192,7 @@ def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
                                                      cu_q, cu_k, sq, sk, **kw)
             return (*dense, *varlen)
     cfg = configs.SM90_HOPPER_FWD[128]
-    assert not cfg.q_regs
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, 128, dataclasses.replace(cfg, q_regs=False))
     plain = run()
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, 128, dataclasses.replace(cfg, q_regs=True))
     for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), plain, run()):
@@ -205,7 +205,7 @@ def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("d,reg_a", [(64, 1), (64, 2), (192, 1), (256, 1)])  # (256 with 2 spills: measured, dropped)
 def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
     """The dK/dV kernels' ``reg_a`` (K / V tiles as the S^T / dP^T wgmmas' A operand from
-    registers instead of shared memory; dispatched at 256 with 1, built for 64) changes
+    registers instead of shared memory; dispatched at 256 with 1, at 64 with 2) changes
     where the operand is read, not the products: the gradients' bits equal the tile's
     without it (deterministic=True: the dQ kernel, no atomics). 777 x 2048 with a left
     window of 200 leaves key tiles that no query block visits; with softcap the option is

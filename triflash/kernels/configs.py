@@ -57,7 +57,11 @@ class HopperFwdConfig:
     # probes/fwd-rounds-exp2emu-944291a.txt.)
     # Q held in registers as the A operand of every S = Q K^T wgmma instead of read from
     # shared memory by each (2 of the 6 KB an m64n128k16 reads), the shared-memory arithmetic
-    # that made ``HopperBwdConfig.reg_a`` pay in the backward. Off until measured (session 14).
+    # that made ``HopperBwdConfig.reg_a`` pay in the backward. Measured (session 15, five
+    # interleaved rounds, probes/fwd-rounds-q_regs-3c9fc25.json, TFLOPS non-causal / causal,
+    # off -> on): 128 2x8192x16 642.4 -> 643.0 / 598.2 -> 613.6, 16x1024x16 565.5 -> 571.0 /
+    # 430.2 -> 429.3: dispatched at 128; 64 (three consumers) 514.2 -> 492.2 / 453.2 ->
+    # 452.6 and 256 (spills 1.2-2 KB) 685.6 -> 359.1 / 652.0 -> 345.8: not there.
     q_regs: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
@@ -140,6 +144,10 @@ class HopperBwdConfig:
     # TFLOPS, 16x1024x8x256 370.9 -> 368.1 / 292.6 -> 294.3; the kernel's own clock stamps put
     # a query block at 2579 cycles against 2720 (probes/bwd-timeline-{reg_a1-9cefcf9,
     # e0f3479}.json). 2 spills 680 B and ran at 372.7 / 352.2. Not with softcap (spills).
+    # Head dims 64 / 128 (session 15, probes/bwd-probe-rounds-d{64,128}-3c9fc25.json, five
+    # interleaved rounds, dQ in the kernel), 0 -> 1 -> 2: 64 2x8192x32 (0 B spilled) 419.7 ->
+    # 418.9 -> 424.8 / 400.3 -> 405.2 -> 415.7 (cuDNN 432.8 / 396.6): 2 dispatched at 64;
+    # 128 2x8192x16 with 1 (824 / 1316 B spilled) 543.5 -> 405.6 / 506.3 -> 380.1: not there.
     reg_a: int = 0
     # (Measured and removed in session 14: WG1's dP'^T issued after WG0's S^T of the block had
     # retired / been issued, ``stagger``, so that the tensor cores would run dP'^T during WG0's
@@ -232,7 +240,7 @@ SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2),
+                         persistent_masked=True, q_slots=2, q_regs=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True),
 }
 
@@ -250,7 +258,7 @@ SM90_HOPPER_FWD = {
 # process as the det rows): 128 with 2-deep rings 532.6 / 526.6, 3-deep 536.0 / 488.3,
 # separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4),
+    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2),
     128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ

@@ -216,10 +216,9 @@ def all_variants():
     P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time since session 13)
     in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
     register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
-    ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0); the
-    head-dim-64 dK/dV kernel with K and V in registers (``reg_a`` 2); the head-dim-128 forward
-    with Q in registers (``q_regs``). Every row's ``scalar_cvt`` counts the one-at-a-time
-    conversions, ``mufu_ex2`` the exponentials left to the MUFU."""
+    ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0). Every
+    row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
+    left to the MUFU."""
     import dataclasses
 
     from .. import configs
@@ -242,12 +241,6 @@ def all_variants():
                          packed_cvt=b256.packed_cvt, timeline=True))
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, reg_a=0)),
                          packed_cvt=b256.packed_cvt, reg_a=0))
-        c128 = configs.SM90_HOPPER_FWD[128]
-        rows.append(dict(compile_fwd(128, "bf16", f, cfg=dataclasses.replace(c128, q_regs=True)),
-                         packed_cvt=c128.packed_cvt, q_regs=True))
-        b64 = configs.SM90_HOPPER_BWD[64]
-        rows.append(dict(compile_bwd(64, "bf16", f, atomic_dq=b64.atomic_dq, cfg=dataclasses.replace(b64, reg_a=2)),
-                         packed_cvt=b64.packed_cvt, reg_a=2))
     return rows
 
 
