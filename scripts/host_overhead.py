@@ -33,13 +33,29 @@ def _mock_sm90():
     from triflash.kernels.hopper import bwd, bwd256, bwd_dq, fwd
     from triflash.kernels.hopper import common as hopper_common
 
-    class _NoLaunch:
+    class _Compiled:  # a compiled kernel whose launcher does nothing
+        function = packed_metadata = None
+
+        def run(self, *args):
+            pass
+
+    class _NoLaunch:  # a JIT function: hopper.common.launch / planned_launch keep its result
+        def __init__(self, params):
+            self.device_caches, self.params, self.__name__ = {}, params, "mock"
+
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+            return lambda *args, **kwargs: _Compiled()
+
+    class _Driver:
+        class active:
+            get_current_device = staticmethod(lambda: 0)
+            get_current_stream = staticmethod(lambda device: 0)
     for mod, name in ((fwd, "hopper_fwd_kernel"), (bwd, "hopper_bwd_kernel"),
-                      (bwd, "bwd_stats_kernel"), (bwd_dq, "hopper_dq_kernel"),
+                      (bwd, "bwd_stats_kernel"), (bwd, "_scale_cast_kernel"), (bwd_dq, "hopper_dq_kernel"),
                       (bwd256, "hopper_bwd256_kernel")):
-        setattr(mod, name, _NoLaunch())
+        setattr(mod, name, _NoLaunch(getattr(mod, name).params))
+    hopper_common.driver = _Driver
+    hopper_common._capturing = lambda: False
     hopper_common._NUM_SMS[torch.device("cpu")] = 132  # the H200's count (no CUDA here)
     dispatch.target_of = lambda device: "sm90"
     validation.check_device = lambda *tensors: None

@@ -2,6 +2,8 @@
 compiled kernel on a tuple that must fix everything Triton specializes on. CPU: the key
 itself and the launcher's decisions against a stand-in kernel (the GPU suite runs with
 TRIFLASH_VERIFY_LAUNCHES=1, where every repeat is checked against Triton's own choice)."""
+import inspect
+
 import pytest
 import torch
 
@@ -104,3 +106,128 @@ def test_verify_mode_catches_a_key_that_merges_specializations(fake_gpu, monkeyp
     kernel.by_key.clear()                                                 # now it would not
     with pytest.raises(AssertionError, match="two specializations"):
         hc.launch(kernel, (1,), [x, 7])
+
+
+# ---- launch plans (hopper.common.planned_launch) ---------------------------------------------
+
+@pytest.fixture
+def fake_fwd(fake_gpu, monkeypatch):
+    """hopper.fwd's host code on CPU tensors, its kernel a stand-in that records launches."""
+    from triflash.kernels.hopper import fwd as H
+    monkeypatch.setattr(hc, "_PLANS", {})
+    monkeypatch.setattr(hc, "_capturing", lambda: False)
+    monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)  # (the GPU suite sets it)
+    monkeypatch.setitem(hc._NUM_SMS, torch.device("cpu"), 132)
+    kernel = _Kernel(len(inspect.signature(H.hopper_fwd_kernel.fn).parameters))
+    monkeypatch.setattr(H, "hopper_fwd_kernel", kernel)
+    return H, kernel
+
+
+def _fwd_case(H, shape, hk, d, causal, window, softcap, seed):
+    from triflash.kernels import configs, portable
+    b, sq, sk, h = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, hk, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = portable.alloc_fwd_outputs(q, v, False)
+    params = portable.AttnParams(d ** -0.5, window, 0 if causal else -1, softcap, sq, sk)
+    return (q, k, v, out, lse), params, configs.SM90_HOPPER_FWD[hc.kernel_head_dim(d)]
+
+
+@pytest.mark.parametrize("shape,hk,d,causal,window,softcap", [
+    ((2, 113, 203, 4), 2, 64, False, -1, 0.0), ((16, 1024, 1024, 16), 16, 128, True, -1, 0.0),
+    ((1, 777, 2048, 8), 4, 256, True, 200, 30.0), ((3, 1, 1, 2), 1, 96, False, 5, 0.0),
+    ((1, 4096, 4096, 36), 36, 256, True, -1, 0.0), ((2, 300, 300, 8), 8, 192, False, -1, 0.0)])
+def test_forward_plan_passes_what_kernel_args_builds(fake_fwd, shape, hk, d, causal, window, softcap):
+    """A repeat forward call launches through its signature's plan: the compiled kernel, grid
+    and every argument as ``kernel_args`` builds them for the repeat's own tensors (fresh
+    ones: nothing of the first call's is passed again)."""
+    H, kernel = fake_fwd
+    first, params, cfg = _fwd_case(H, shape, hk, d, causal, window, softcap, seed=0)
+    H.fwd(*first, params, cfg)
+    assert len(kernel.jit_calls) == 1 and len(hc._PLANS) == 1
+    again, _, _ = _fwd_case(H, shape, hk, d, causal, window, softcap, seed=1)
+    H.fwd(*again, params, cfg)
+    assert len(kernel.jit_calls) == 1                                     # the plan, not the JIT
+    (compiled,) = kernel.by_key.values()
+    grid, args = H.kernel_args(*again, params, cfg, num_sms=132)
+    launched = compiled.calls[-1]
+    assert launched[:3] == (grid[0], 1, 1) and launched[3:9] == (1234, "fn", "meta", None, None, None)
+    assert hc._same_args(list(launched[9:]), args)
+    assert not hc._same_args(list(launched[9:]), H.kernel_args(*first, params, cfg, num_sms=132)[1])
+
+
+def test_forward_plans_are_per_signature(fake_fwd):
+    """Another shape, stride, dtype, mask or tile is another plan; a tensor passed in two
+    roles (q is k) has its list built every time; under a launch hook, a CUDA graph capture
+    or TRIFLASH_VERIFY_LAUNCHES the list is built, and the last checks the plan against it."""
+    H, kernel = fake_fwd
+    base = ((2, 128, 128, 4), 4, 64, True, -1, 0.0)
+    tensors, params, cfg = _fwd_case(H, *base, seed=0)
+    H.fwd(*tensors, params, cfg)
+    H.fwd(*tensors, params, cfg)
+    assert len(hc._PLANS) == 1
+    import dataclasses
+    H.fwd(*tensors, dataclasses.replace(params, window_right=-1), cfg)      # not causal
+    H.fwd(*tensors, params, dataclasses.replace(cfg, stages=2))             # another tile
+    q, k, v, out, lse = tensors
+    H.fwd(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, out, lse, params, cfg)  # strides
+    assert len(hc._PLANS) == 4
+    for _ in range(2):
+        H.fwd(q, q, q, out, lse, params, cfg)                               # aliases: no plan
+    assert len(hc._PLANS) == 4
+    launched = [c for c in kernel.by_key.values() if c.calls][0].calls[-1]
+    assert hc._same_args(list(launched[9:]), H.kernel_args(q, q, q, out, lse, params, cfg, num_sms=132)[1])
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setattr(hc, "_capturing", lambda: True)
+        H.fwd(*tensors, params, cfg)                                        # capturing: built
+    with monkeypatch.context() as m:
+        m.setattr(hc, "VERIFY_LAUNCHES", True)
+        H.fwd(*_fwd_case(H, *base, seed=3)[0], params, cfg)                 # the plan agrees
+        ((dev, key), plan), = [(k_, p) for k_, p in hc._PLANS.items() if k_[1][-1] == cfg
+                               and k_[1][-2] == params and k_[1][2] == q.stride()]
+        i, _, box, layout = plan.slots[0]
+        plan.slots[0] = (i, 1, box, layout)                                 # a broken plan: Q's
+        # descriptor over k
+        with pytest.raises(AssertionError, match="launch plan"):
+            H.fwd(*tensors, params, cfg)
+
+
+@pytest.mark.parametrize("d,deterministic,causal", [(64, False, True), (128, False, False), (128, True, True),
+                                                    (96, False, False)])
+def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d, deterministic, causal):
+    """The backward's statistics and dK/dV launches (dense) go through plans: with
+    TRIFLASH_VERIFY_LAUNCHES=1 a repeat builds its arguments as well and the plan must pass
+    the same (fresh tensors each call: q, k, v, dout, out, lse and the buffers the backward
+    allocates); without it a repeat takes the plan (no new specialization)."""
+    from triflash.kernels import configs, portable
+    from triflash.kernels.hopper import bwd as HB
+    from triflash.kernels.hopper import bwd_dq
+    monkeypatch.setattr(hc, "_PLANS", {})
+    monkeypatch.setattr(hc, "_capturing", lambda: False)
+    monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)  # (the GPU suite sets it)
+    fakes = {}
+    for mod, name in ((HB, "hopper_bwd_kernel"), (HB, "bwd_stats_kernel"), (HB, "_scale_cast_kernel"),
+                      (bwd_dq, "hopper_dq_kernel")):
+        fakes[name] = _Kernel(len(inspect.signature(getattr(mod, name).fn).parameters))
+        monkeypatch.setattr(mod, name, fakes[name])
+    b, s, h, hk = 2, 200, 4, 2
+    params = portable.AttnParams(d ** -0.5, -1, 0 if causal else -1, 0.0, s, s)
+    cfg = configs.SM90_HOPPER_BWD[hc.kernel_head_dim(d)]
+
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        q, out, dout = (torch.randn(b, s, h, d, generator=g, dtype=torch.bfloat16) for _ in range(3))
+        k, v = (torch.randn(b, s, hk, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.randn(b, h, s, generator=g)
+        HB.bwd(dout, q, k, v, out, lse, params, deterministic, cfg)
+    call(0)
+    assert len(hc._PLANS) == 2                                            # stats, dK/dV
+    monkeypatch.setattr(hc, "VERIFY_LAUNCHES", True)
+    call(1)                                                               # asserts inside
+    monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)
+    jit = {n: len(f.jit_calls) for n, f in fakes.items()}
+    call(2)
+    assert {n: len(f.jit_calls) for n, f in fakes.items()} == jit
+    assert len(fakes["hopper_bwd_kernel"].by_key) == 1 and len(fakes["bwd_stats_kernel"].by_key) == 1

@@ -60,11 +60,17 @@ def interpreting() -> bool:
     return type(flash_fwd_kernel).__name__ == "InterpretedFunction"
 
 
+_TARGETS = {}
+
+
 def target_of(device: torch.device) -> str:
     if device.type == "cpu":
         return "interpret"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm90" if major == 9 else "default"
+    target = _TARGETS.get(device)  # (looked up once per device: every call asks)
+    if target is None:
+        major, _ = torch.cuda.get_device_capability(device)
+        target = _TARGETS[device] = "sm90" if major == 9 else "default"
+    return target
 
 
 def backend() -> str:

@@ -70,7 +70,8 @@ from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, a_operand, descriptor, kernel_head_dim,
-                     launch, stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add, to_16bit)
+                     launch, planned_launch, stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add,
+                     to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -495,12 +496,21 @@ def stats(pb, out, dout, lse):
     stat = torch.empty(shape, dtype=torch.float32, device=out.device)
     delta = torch.empty(shape, dtype=torch.float32, device=out.device)
     o4, do4 = pb.view(out), pb.view(dout)
-    launch(bwd_stats_kernel, (ceil_div(pb.seqlen_q, BLOCK_M) * pb.batch * pb.nheads,), [
-        o4, do4, lse, stat, delta, o4.stride(0), o4.stride(1), o4.stride(2),
-        do4.stride(0), do4.stride(1), do4.stride(2), *pb.lse_strides(lse),
-        stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.total_q, pb.cu_q, pb.used_q,
-        out.shape[-1], BLOCK_M, pb.varlen, pb.has_used_q,  # HEADDIM_V, BLOCK_M, IS_VARLEN, HAS_SEQUSED_Q
-        triton.next_power_of_2(out.shape[-1])])  # BLOCK_D
+
+    def build():
+        return (ceil_div(pb.seqlen_q, BLOCK_M) * pb.batch * pb.nheads,), [
+            o4, do4, lse, stat, delta, o4.stride(0), o4.stride(1), o4.stride(2),
+            do4.stride(0), do4.stride(1), do4.stride(2), *pb.lse_strides(lse),
+            stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.total_q, pb.cu_q, pb.used_q,
+            out.shape[-1], BLOCK_M, pb.varlen, pb.has_used_q,  # HEADDIM_V, BLOCK_M, IS_VARLEN, HAS_SEQUSED_Q
+            triton.next_power_of_2(out.shape[-1])]  # BLOCK_D
+    if pb.varlen or pb.has_used_q:
+        grid, args = build()
+        launch(bwd_stats_kernel, grid, args)
+    else:  # (pb.cu_q: the tensor a dense batch passes for its absent sequence pointers)
+        key = ("stats", out.shape, out.stride(), dout.stride(), lse.shape, lse.stride(), out.dtype,
+               out.get_device())
+        planned_launch(bwd_stats_kernel, key, (out, dout, lse, stat, delta, pb.cu_q), build)
     return stat, delta
 
 
@@ -542,14 +552,21 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         from . import bwd256  # imports this module's loader: not at the top
         bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg)
         atomic_dq = False
-    elif atomic_dq:
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        launch(hopper_bwd_kernel, grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta,
-                                                     dq_accum, params, cfg, True))
-        _scale_into(dq, dq_accum, params.softmax_scale)
     else:
-        launch(hopper_bwd_kernel, grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta,
-                                                     _unused_dq_accum(q.device, d), params, cfg, False))
+        dq_accum = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq
+                    else _unused_dq_accum(q.device, d))
+
+        def build():
+            return grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum, params, cfg,
+                                      atomic_dq)
+        if pb.varlen:
+            launch(hopper_bwd_kernel, grid, build()[1])
+        else:  # dense: a plan per signature (common.planned_launch)
+            key = ("bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
+                   dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags)
+            planned_launch(hopper_bwd_kernel, key, (q, k, v, dout, dk, dv, stat, delta, dq_accum), build)
+        if atomic_dq:
+            _scale_into(dq, dq_accum, params.softmax_scale)
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,

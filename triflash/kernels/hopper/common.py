@@ -373,6 +373,102 @@ def launch(kernel, grid, args, num_warps=4):
     return compiled
 
 
+# ---- launch plans: a repeat call of one problem signature --------------------------------
+#
+# Even with ``launch``, a forward call rebuilds its argument list (``kernel_args``: the
+# problem's view, grid, launch order, schedule lookup, four descriptors) and keys it, ~30 us
+# of the H200 host's ~210 us per 1k-token forward (probes/host-breakdown-3c9fc25.json), and
+# do_bench times a call whose host time passes its kernel's as host time. A plan keeps the
+# list of one signature (the caller's key: every shape, stride, dtype and parameter the list
+# is made of) with the compiled kernel; a repeat puts the call's own tensors (and
+# descriptors over them) into their slots and launches. The first call of a key, calls
+# while a CUDA graph captures (the schedule table's bookkeeping, ``schedule_table``), under
+# launch hooks, and with TRIFLASH_VERIFY_LAUNCHES=1 build the list as before; the last also
+# checks that the plan would have launched the same kernel with the same arguments.
+
+_PLANS = {}
+_capturing = torch.cuda.is_current_stream_capturing  # (tests without CUDA replace it)
+
+
+class LaunchPlan:
+    """The argument list of one launch with the call's tensors taken out: ``slots`` say where
+    each of ``tensors`` goes, as itself or as the base of a TMA descriptor (box and layout
+    kept). Other tensors in the list (a cached schedule table) stay in it."""
+    __slots__ = ("compiled", "grid", "template", "slots")
+
+    def __init__(self, compiled, grid, args, tensors):
+        where = {id(t): j for j, t in enumerate(tensors)}
+        self.compiled, self.grid, self.template, self.slots = compiled, grid, list(args), []
+        for i, a in enumerate(args):
+            if a.__class__ is TensorDescriptor:
+                j = where[id(a.base)]  # (a KeyError: a descriptor over a tensor not in ``tensors``)
+                self.slots.append((i, j, a.block_shape, a.layout))
+                self.template[i] = None
+            elif id(a) in where:
+                self.slots.append((i, where[id(a)], None, None))
+                self.template[i] = None
+
+    def args(self, tensors):
+        args = self.template[:]
+        for i, j, block, layout in self.slots:
+            args[i] = tensors[j] if block is None else _make_descriptor(tensors[j], block, layout)
+        return args
+
+    def run(self, tensors, device):
+        c, g = self.compiled, self.grid
+        c.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
+              driver.active.get_current_stream(device), c.function, c.packed_metadata, None, None,
+              None, *self.args(tensors))
+
+
+def _same_args(a, b) -> bool:
+    """Two launch argument lists pass the same values (tensors: the same objects)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.__class__ is TensorDescriptor and y.__class__ is TensorDescriptor:
+            if not (x.base is y.base and tuple(x.shape) == tuple(y.shape) and tuple(x.strides) == tuple(y.strides)
+                    and list(x.block_shape) == list(y.block_shape) and x.layout == y.layout
+                    and x.padding == y.padding):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is not y:
+                return False
+        elif x != y or x.__class__ is not y.__class__:
+            return False
+    return True
+
+
+def planned_launch(kernel, key, tensors, build):
+    """Launch ``kernel`` with the arguments ``build()`` returns as (grid, args), through the
+    plan of ``key`` where there is one (see above). ``key`` must fix every argument but
+    ``tensors``, each of which appears in args as itself or as a descriptor's base."""
+    if len({id(t) for t in tensors}) < len(tensors):  # one tensor in two roles: no plan
+        grid, args = build()
+        if grid[0] > 0:
+            launch(kernel, grid, args)
+        return
+    device = driver.active.get_current_device()
+    plan = _PLANS.get((device, key))
+    aside = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook) or _capturing()
+    if plan is not None and not aside and not VERIFY_LAUNCHES:
+        plan.run(tensors, device)
+        return
+    grid, args = build()
+    if grid[0] == 0:
+        return
+    compiled = launch(kernel, grid, args)
+    if aside:
+        return
+    if plan is not None:  # (VERIFY_LAUNCHES: the plan must pass what was just built)
+        assert plan.compiled is compiled and plan.grid == grid and _same_args(plan.args(tensors), args), \
+            f"launch plan of {kernel.__name__} differs from the arguments built for this call"
+    elif compiled is not None and not hasattr(compiled, "result") and len(args) == len(kernel.params):
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        _PLANS[(device, key)] = LaunchPlan(compiled, grid, args, tensors)
+
+
 def _gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 

@@ -40,7 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, scores, visible
 from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk, schedule_table, to_16bit)
+                     a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk, planned_launch,
+                     schedule_table, to_16bit)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -445,9 +446,17 @@ def walk(cfg, params, pb, num_tiles) -> str:
 
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
         seqused_k=None):
-    """Forward into ``out`` and ``lse`` (layouts: ``kernel_args``)."""
-    grid, args = kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
-                             seqused_q, seqused_k, num_sms(q.device))
+    """Forward into ``out`` and ``lse`` (layouts: ``kernel_args``). Dense batches launch
+    through a plan per signature (``common.planned_launch``)."""
+    def build():
+        return kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
+                           seqused_q, seqused_k, num_sms(q.device))
+    if cu_seqlens_q is None and seqused_q is None and seqused_k is None:
+        key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
+               lse.stride(), q.dtype, q.get_device(), params, cfg)
+        planned_launch(hopper_fwd_kernel, key, (q, k, v, out, lse), build)
+        return out, lse
+    grid, args = build()
     if grid[0] > 0:
         launch(hopper_fwd_kernel, grid, args)
     return out, lse
