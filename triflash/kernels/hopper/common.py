@@ -387,7 +387,10 @@ def launch(kernel, grid, args, num_warps=4):
 # checks that the plan would have launched the same kernel with the same arguments.
 
 _PLANS = {}
-_capturing = torch.cuda.is_current_stream_capturing  # (tests without CUDA replace it)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()  # (tests without CUDA replace _capturing)
 
 
 class LaunchPlan:
@@ -421,8 +424,11 @@ class LaunchPlan:
               None, *self.args(tensors))
 
 
-def _same_args(a, b) -> bool:
-    """Two launch argument lists pass the same values (tensors: the same objects)."""
+def _same_args(a, b, tensors=()) -> bool:
+    """Two launch argument lists pass the same values: the call's ``tensors`` as the same
+    objects, any other tensor (a cached table the plan kept, which its cache may have dropped
+    and built again since) the same objects or the same values."""
+    calls = {id(t) for t in tensors}
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
@@ -432,7 +438,11 @@ def _same_args(a, b) -> bool:
                     and x.padding == y.padding):
                 return False
         elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if x is not y:
+            if x is y:
+                continue
+            if id(x) in calls or id(y) in calls or not (
+                    isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and x.device == y.device and torch.equal(x, y)):
                 return False
         elif x != y or x.__class__ is not y.__class__:
             return False
@@ -461,7 +471,7 @@ def planned_launch(kernel, key, tensors, build):
     if aside:
         return
     if plan is not None:  # (VERIFY_LAUNCHES: the plan must pass what was just built)
-        assert plan.compiled is compiled and plan.grid == grid and _same_args(plan.args(tensors), args), \
+        assert plan.compiled is compiled and plan.grid == grid and _same_args(plan.args(tensors), args, tensors), \
             f"launch plan of {kernel.__name__} differs from the arguments built for this call"
     elif compiled is not None and not hasattr(compiled, "result") and len(args) == len(kernel.params):
         if len(_PLANS) >= 1024:
