@@ -504,13 +504,11 @@ def stats(pb, out, dout, lse):
             stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.total_q, pb.cu_q, pb.used_q,
             out.shape[-1], BLOCK_M, pb.varlen, pb.has_used_q,  # HEADDIM_V, BLOCK_M, IS_VARLEN, HAS_SEQUSED_Q
             triton.next_power_of_2(out.shape[-1])]  # BLOCK_D
-    if pb.varlen or pb.has_used_q:
-        grid, args = build()
-        launch(bwd_stats_kernel, grid, args)
-    else:  # (pb.cu_q: the tensor a dense batch passes for its absent sequence pointers)
-        key = ("stats", out.shape, out.stride(), dout.stride(), lse.shape, lse.stride(), out.dtype,
-               out.get_device())
-        planned_launch(bwd_stats_kernel, key, (out, dout, lse, stat, delta, pb.cu_q), build)
+    # dense: a plan per signature (pb.cu_q: the tensor a dense batch passes for its absent
+    # sequence pointers)
+    key = None if pb.varlen or pb.has_used_q else (
+        "stats", out.shape, out.stride(), dout.stride(), lse.shape, lse.stride(), out.dtype, out.get_device())
+    planned_launch(bwd_stats_kernel, key, (out, dout, lse, stat, delta, pb.cu_q), build)
     return stat, delta
 
 
@@ -559,12 +557,10 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         def build():
             return grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum, params, cfg,
                                       atomic_dq)
-        if pb.varlen:
-            launch(hopper_bwd_kernel, grid, build()[1])
-        else:  # dense: a plan per signature (common.planned_launch)
-            key = ("bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
-                   dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags)
-            planned_launch(hopper_bwd_kernel, key, (q, k, v, dout, dk, dv, stat, delta, dq_accum), build)
+        key = None if pb.varlen else (  # dense: a plan per signature (common.planned_launch)
+            "bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
+            dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags)
+        planned_launch(hopper_bwd_kernel, key, (q, k, v, dout, dk, dv, stat, delta, dq_accum), build)
         if atomic_dq:
             _scale_into(dq, dq_accum, params.softmax_scale)
     if not atomic_dq:

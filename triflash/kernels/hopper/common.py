@@ -452,9 +452,10 @@ def _same_args(a, b, tensors=()) -> bool:
 def planned_launch(kernel, key, tensors, build):
     """Launch ``kernel`` with the arguments ``build()`` returns as (grid, args), through the
     plan of ``key`` where there is one (see above). ``key`` must fix every argument but
-    ``tensors``, each of which appears in args as itself or as a descriptor's base."""
-    if len({id(t) for t in tensors}) < len(tensors):  # one tensor in two roles: no plan
-        grid, args = build()
+    ``tensors``, each of which appears in args as itself or as a descriptor's base; None
+    (a batch whose arguments no key describes, e.g. varlen): build and launch, no plan."""
+    if key is None or len({id(t) for t in tensors}) < len(tensors):  # (a tensor in two roles,
+        grid, args = build()                                           # q is k: slots would merge)
         if grid[0] > 0:
             launch(kernel, grid, args)
         return

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, scores, visible
 from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk, planned_launch,
+                     a_operand, descriptor, kernel_head_dim, num_sms, persistent_walk, planned_launch,
                      schedule_table, to_16bit)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
@@ -451,12 +451,9 @@ def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, se
     def build():
         return kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
                            seqused_q, seqused_k, num_sms(q.device))
+    key = None  # (varlen / seqused: their tensors are not in the key)
     if cu_seqlens_q is None and seqused_q is None and seqused_k is None:
         key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
                lse.stride(), q.dtype, q.get_device(), params, cfg)
-        planned_launch(hopper_fwd_kernel, key, (q, k, v, out, lse), build)
-        return out, lse
-    grid, args = build()
-    if grid[0] > 0:
-        launch(hopper_fwd_kernel, grid, args)
+    planned_launch(hopper_fwd_kernel, key, (q, k, v, out, lse), build)
     return out, lse
