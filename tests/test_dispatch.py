@@ -100,3 +100,15 @@ def test_padded_head_dims_backward_boxes(d, width):
     assert [x.shape[-1] for x in args[:5]] == [d] * 5
     # HEAD_DIM: a varlen batch's masked dQ stores stop there
     assert kernel_arg(bwd_dq.hopper_dq_kernel, args, "HEAD_DIM") == d
+
+
+def test_tail_pieces():
+    """Pieces per key tile of the backward's last partial wave (hopper.bwd.tail_pieces)."""
+    from triflash.kernels.hopper.bwd import tail_pieces
+    assert tail_pieces(4096, 132) == 4  # 4 tiles left over: quarters, one round
+    assert tail_pieces(144, 132) == 4
+    assert tail_pieces(132 + 33, 132) == 4
+    assert tail_pieces(132 + 34, 132) == 1
+    assert tail_pieces(2048, 132) == 1  # 68 left over: measured slower split (3 pieces)
+    assert tail_pieces(100, 132) == 1   # a single partial wave
+    assert tail_pieces(660, 132) == 1   # whole waves

@@ -99,6 +99,11 @@ HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 704,
 }
+# The same kernels splitting the last wave (``tail_split``, 4 pieces; plain only): 32 B at 64
+# and 52 B at 128 measured, the piece's range and slot computed at entry (the 64 kernel with
+# 4 pieces ran 1.4% and 6% faster than without the split in interleaved rounds,
+# benchmarks/results/probes/bwd-probe-rounds-d64-split-*.json).
+HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries (24 B).
 HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32}
@@ -184,7 +189,8 @@ def test_hopper_backward_compiles_for_sm90a():
     """The dK/dV kernel of every tile of configs.SM90_HOPPER_BWD (hopper/bwd256.py's at head
     dim 256), fp16 and bf16, plain / causal / window+softcap, dense and (bf16) varlen, as
     dispatched: no per-thread atomics; where the tile has ``atomic_dq`` (deterministic=False,
-    dense) also the variant that adds dQ by TMA reduce-add, with the tile's ring depth; the
+    dense) also the variant that adds dQ by TMA reduce-add, with the tile's ring depth, and
+    where the tile splits the last wave (``tail_split``) that kernel (plain); the
     padded head dims (96, 192: dense and varlen, bf16) with the tile of the width they are
     computed at, held to that width's budgets."""
     from triflash.kernels import configs
@@ -199,12 +205,16 @@ def test_hopper_backward_compiles_for_sm90a():
     assert {r["headdim"] for r in rows if r.get("varlen")} == set(configs.SM90_HOPPER_BWD)
     assert {r["headdim"] for r in rows if r["atomic_dq"]} == {
         d for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq}
+    assert {(r["headdim"], r["dtype"]) for r in rows if r.get("tail_split")} == {
+        (d, dt) for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq and c.tail_split != 1
+        for dt in ("bf16", "fp16")}
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
         if r["atomic_dq"]:
             assert r["stages"] == c.atomic_stages and not r.get("varlen"), r
             assert r["tma_reduce"] > 0, r
-            _check_row(r, HOPPER_BWD_ATOMIC_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))
+            budget = HOPPER_BWD_SPLIT_SPILL_BUDGET if r.get("tail_split") else HOPPER_BWD_ATOMIC_SPILL_BUDGET
+            _check_row(r, budget.get((r["feature"], r["headdim"]), 0))
         else:
             assert r["tma_reduce"] == 0, r
             _check_row(r, HOPPER_BWD_SPILL_BUDGET.get((r["feature"], r["headdim"]), 0))

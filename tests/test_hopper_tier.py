@@ -234,6 +234,43 @@ def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("d,pieces", [(64, 2), (96, 3), (128, 3), (128, 4)])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_hopper_bwd_tail_split(d, pieces, softcap, shape, monkeypatch):
+    """``tail_split`` forced: every key tile of the dK/dV kernel runs as ``pieces`` CTAs over
+    parts of its query blocks (fewer blocks than pieces leave pieces empty: 1 x 1), each
+    adding fp32 dK / dV into the split tiles' buffer that ``_split_fixup_kernel`` writes out
+    (rows past seqlen_k, columns past a padded head dim not written); held to FA3's
+    tolerance against the fp32 reference. No mask: the split serves only unmasked tiles."""
+    import dataclasses
+    from triflash.kernels import configs
+    sq, sk, h, hk = shape
+    tile = 128 if d == 96 else d
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile,
+                        dataclasses.replace(configs.SM90_HOPPER_BWD[tile], tail_split=pieces))
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, False, (-1, -1), softcap)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_bwd_tail_split_auto(d):
+    """The dispatched tiles split the last wave where ``tail_pieces`` says so: a shape with a
+    few key tiles more than the GPU has SMs, (GQA, seqlen not a multiple of the tile) against
+    the reference; the same shape under a causal mask does not split and is checked too."""
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd as hbwd
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert configs.SM90_HOPPER_BWD[d].tail_split == 0
+    hk = 8
+    tiles = sms // hk + 1  # key tiles per KV head: a few more tiles than SMs in all
+    sk = tiles * 128 - 37
+    assert hbwd.tail_pieces(tiles * hk, sms) > 1
+    with triflash.force_backend("hopper"):
+        check_attention(1, 700, sk, 2 * hk, hk, d, torch.bfloat16, False, (-1, -1), 0.0)
+        check_attention(1, 700, sk, 2 * hk, hk, d, torch.bfloat16, True, (-1, -1), 0.0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_bwd256_timeline_probe(causal, monkeypatch):
     """The head-dim-256 dK/dV kernel's ``timeline`` probe (scripts/bwd_timeline.py) stamps

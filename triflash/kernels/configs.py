@@ -153,6 +153,12 @@ class HopperBwdConfig:
     # retired / been issued, ``stagger``, so that the tensor cores would run dP'^T during WG0's
     # exponentials: seed 439.5 -> 432.7 / 441.8, causal 429.2 -> 422.1 / 425.5,
     # probes/bwd-probe-rounds-d256-19d33dc.json.)
+    # hopper/bwd.py with the in-kernel dQ and no mask: the key tiles of the last, partial wave
+    # of CTAs each run as ``hopper.bwd.tail_pieces`` CTAs over parts of its query blocks,
+    # storing fp32 dK / dV that a small kernel sums and writes out (4096 tiles on 132 SMs:
+    # the last 4 in quarters). 1: never; 0: where tail_pieces says it pays; P > 1: every
+    # shape, P pieces (tests).
+    tail_split: int = 1
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -258,8 +264,9 @@ SM90_HOPPER_FWD = {
 # process as the det rows): 128 with 2-deep rings 532.6 / 526.6, 3-deep 536.0 / 488.3,
 # separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2),
-    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2),
+    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
+                        tail_split=0),
+    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.

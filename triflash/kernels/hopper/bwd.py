@@ -69,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
-from .common import (Problem, _acc_layout, _key_tile, _store_rows, _tma_view, a_operand, descriptor, kernel_head_dim,
+from .common import (Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view, a_operand, descriptor, kernel_head_dim,
                      launch, planned_launch, stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add,
                      to_16bit)
 
@@ -267,6 +267,47 @@ def _dq_reduce(dq, dq_buf, dq_desc, tma_batch, dq_m, dq_head, C: gl.constexpr):
 
 
 @gluon.jit
+def _split_tile(n_full, nb, nheads_kv, SPLIT: gl.constexpr):
+    """With the last wave split (grid: ``n_full`` whole key tiles, then ``SPLIT`` CTAs for each
+    tile after them; tiles numbered key block fastest, then KV head, then batch): this CTA's
+    (key block, KV head, batch, piece, pieces, slot), ``slot`` = split tile * SPLIT + piece its
+    place in the pieces' buffer, -1 for a whole tile (piece 0 of 1)."""
+    pid = gl.program_id(0)
+    split = (pid >= n_full).to(gl.int32)
+    j = (pid - n_full) * split
+    part = j // SPLIT
+    tile = pid + split * (n_full + part - pid)
+    return (tile % nb, (tile // nb) % nheads_kv, tile // (nb * nheads_kv), j - part * SPLIT,
+            1 + split * (SPLIT - 1), j - (1 - split))
+
+
+@gluon.jit
+def _piece(m_min, m_full_min, m_full_max, m_max, piece, pieces):
+    """The query blocks of piece ``piece`` of ``pieces`` of a key tile's range (its masked
+    edges kept where they fall inside the piece)."""
+    count = m_max - m_min
+    lo = m_min + count * piece // pieces
+    hi = m_min + count * (piece + 1) // pieces
+    return (lo, gl.minimum(gl.maximum(m_full_min, lo), hi), gl.minimum(gl.maximum(m_full_max, lo), hi), hi)
+
+
+@gluon.jit
+def _store_piece(DKV_PART, slot, dk, dv, C: gl.constexpr):
+    """A split tile's piece: this warpgroup's fp32 dK (scaled) / dV rows to the piece's slot of
+    ``DKV_PART`` ([split tiles * pieces, 2, keys, D]; ``_split_fixup_kernel`` sums a tile's
+    pieces in order and writes them out: no atomics, the same bits every run)."""
+    KR: gl.constexpr = dk.shape[0]
+    D: gl.constexpr = dk.shape[1]
+    layout: gl.constexpr = dk.type.layout
+    rows = gl.arange(0, KR, layout=gl.SliceLayout(1, layout)) + C * KR
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(rows * D, 1) + gl.expand_dims(cols, 0)
+    base = DKV_PART + slot.to(gl.int64) * (2 * 2 * KR * D)
+    gl.store(base + offs, dk)
+    gl.store(base + 2 * KR * D + offs, dv)
+
+
+@gluon.jit
 def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                   DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -276,11 +317,12 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
-                  REG_A: gl.constexpr):
+                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
-    1: K, 2: K and V held in registers as the S^T / dP^T wgmmas' A operand."""
+    1: K, 2: K and V held in registers as the S^T / dP^T wgmmas' A operand. ``SPLIT`` > 1: a
+    CTA with ``slot`` >= 0 ran a piece of a split tile and stores its dK / dV in ``DKV_PART``."""
     k_buf = k_bufs.index(C)
     v_buf = v_bufs.index(C)
     KR: gl.constexpr = k_buf.shape[0]
@@ -325,6 +367,25 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
     # has retired; the other warpgroup never touches them); the TMA store clips rows past
     # the (dense) sequence, a varlen sequence's end needs masked stores.
+    if SPLIT > 1:
+        if slot >= 0:
+            _store_piece(DKV_PART, slot, dk * softmax_scale, dv, C)
+        else:
+            _store_dkdv(k_buf, v_buf, dk, dv, dk_desc, dv_desc, DK_OUT, stride_dkn, stride_dkh, DV_OUT,
+                        stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
+                        IS_VARLEN, HEAD_DIM)
+    else:
+        _store_dkdv(k_buf, v_buf, dk, dv, dk_desc, dv_desc, DK_OUT, stride_dkn, stride_dkh, DV_OUT,
+                    stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
+                    IS_VARLEN, HEAD_DIM)
+
+
+@gluon.jit
+def _store_dkdv(k_buf, v_buf, dk, dv, dk_desc, dv_desc, DK_OUT, stride_dkn, stride_dkh, DV_OUT,
+                stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
+                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """dK * softmax_scale and dV of a warpgroup's keys out through its K / V tiles."""
+    dtype: gl.constexpr = k_buf.dtype
     k_buf.store((dk * softmax_scale).to(dtype))
     v_buf.store(dv.to(dtype))
     if IS_VARLEN:
@@ -350,7 +411,8 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PACKED_CVT: gl.constexpr, REG_A: gl.constexpr):
+                      PACKED_CVT: gl.constexpr, REG_A: gl.constexpr,
+                      n_full, nb, DKV_PART, SPLIT: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -363,11 +425,18 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     gl.static_assert(D == DV, "headdim == headdim_v")
     gl.static_assert(not (IS_VARLEN and ATOMIC_DQ), "varlen: dQ by the dQ kernel")
     BLOCK_N: gl.constexpr = KR * NUM_CONSUMERS
+    if SPLIT > 1:  # 1D grid, the last wave's tiles in SPLIT pieces (host: ``tail_pieces``)
+        n_block, head_kv, batch, piece, pieces, slot = _split_tile(n_full, nb, nheads_kv, SPLIT)
+    else:  # grid (key blocks, KV heads, batch)
+        n_block, head_kv, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+        slot = n_block * 0 - 1
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
-     m_min, m_full_min, m_full_max, m_max) = _key_tile(
-        nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+     m_min, m_full_min, m_full_max, m_max) = _key_tile_at(
+        n_block, head_kv, batch, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
         window_left, window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
         HAS_SEQUSED_Q, HAS_SEQUSED_K)
+    if SPLIT > 1:
+        m_min, m_full_min, m_full_max, m_max = _piece(m_min, m_full_min, m_full_max, m_max, piece, pieces)
 
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, DV], dtype)
@@ -404,7 +473,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
-                          REG_A)),
+                          REG_A, slot, DKV_PART, SPLIT)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -412,7 +481,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
-                          REG_A)),
+                          REG_A, slot, DKV_PART, SPLIT)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -467,9 +536,11 @@ def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
 
 # ---- host side --------------------------------------------------------------------------
 
-def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq):
+def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, atomic_dq, split=None):
     """Arguments of ``hopper_bwd_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D views
-    (head dims 96: boxes 128 wide, ``common.kernel_head_dim``)."""
+    (head dims 96: boxes 128 wide, ``common.kernel_head_dim``); ``split``: None, or (pieces,
+    whole tiles, the fp32 dK / dV buffer of the split ones) (``tail_pieces``)."""
+    pieces, n_full, dkv_part = split or (1, 0, dq_accum)
     qk_scale, softcap_log2 = params.score_constants()
     kr = ROWS_PER_CONSUMER
     d = kernel_head_dim(q.shape[-1])
@@ -482,7 +553,8 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt,  # .., HEAD_DIM, PACKED_CVT
-            cfg.reg_a_for(params.softcap)]
+            cfg.reg_a_for(params.softcap),
+            n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces]  # .., n_full, nb, DKV_PART, SPLIT
 
 
 def stats(pb, out, dout, lse):
@@ -546,21 +618,36 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     q4, k4, v4, do4, dk4, dv4 = (pb.view(x) for x in (q, k, v, dout, dk, dv))
     atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
+    n_tiles = grid[0] * grid[1] * grid[2]
+    pieces = 1
+    if atomic_dq and params.window_left < 0 and params.window_right < 0 and cfg.tail_split != 1:
+        pieces = cfg.tail_split or tail_pieces(n_tiles, _sm_count(q.device))
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
         bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg)
         atomic_dq = False
     else:
-        dq_accum = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq
-                    else _unused_dq_accum(q.device, d))
+        split = None
+        if pieces > 1:  # the last wave's tiles (n_split of them) in pieces, see tail_pieces
+            n_split = n_tiles % _sm_count(q.device) or n_tiles
+            dkv_part = torch.empty(n_split * pieces * 2 * cfg.block_n * d, dtype=torch.float32, device=q.device)
+            split = (pieces, n_tiles - n_split, dkv_part)
+            grid = (n_tiles - n_split + pieces * n_split, 1, 1)
+        if atomic_dq:
+            dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        else:
+            dq_accum = _unused_dq_accum(q.device, d)
+        tensors = (q, k, v, dout, dk, dv, stat, delta, dq_accum) + ((split[2],) if split else ())
 
         def build():
             return grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum, params, cfg,
-                                      atomic_dq)
+                                      atomic_dq, split)
         key = None if pb.varlen else (  # dense: a plan per signature (common.planned_launch)
             "bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
-            dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags)
-        planned_launch(hopper_bwd_kernel, key, (q, k, v, dout, dk, dv, stat, delta, dq_accum), build)
+            dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags, pieces)
+        planned_launch(hopper_bwd_kernel, key, tensors, build)
+        if split:
+            _split_fixup(pb, dk4, dv4, split, cfg.block_n, d)
         if atomic_dq:
             _scale_into(dq, dq_accum, params.softmax_scale)
     if not atomic_dq:
@@ -576,6 +663,63 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
                            s, params, configs.SM90_BWD[d],
                            portable._common_flags(q, v, params, upcast=False))
     return _finish(dq, dk, dk_out, dv, dv_out)
+
+
+def tail_pieces(n_tiles: int, n_sm: int) -> int:
+    """Into how many pieces (query-block ranges, 1 = none) to split each key tile of the last
+    partial wave when ``n_tiles`` equal CTAs (no mask) run one per SM on ``n_sm`` SMs: with r
+    tiles left over, the last wave holds r SMs for a whole tile's time while the others
+    idle. Split in 4 where r <= n_sm / 4 (they then run side by side in one round of a
+    quarter tile): 2x8192x32x64 (4096 tiles, r = 4 on 132 SMs) 428.4 -> 434.5 TFLOPS and
+    424.9 -> 451.3 in two sets of interleaved rounds. Not above: 2x8192x16x128 (2048 tiles,
+    r = 68) in 3 pieces lost, 543.6 -> 535.3 and 541.9 -> 535.1 (the CTAs' start times are
+    already spread over the last wave; probes/bwd-probe-rounds-d{64,128}-split*-*.json)."""
+    r = n_tiles % n_sm
+    if r == 0 or n_tiles < n_sm or 4 * r > n_sm:
+        return 1
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _split_fixup_kernel(PART, DK, DV, n_full, nb, nheads_kv, seqlen_k,
+                        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                        BLOCK_N: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PIECES: tl.constexpr):
+    """dK / dV of split tile ``program_id``, the sums of its ``PIECES`` pieces in ``PART`` (in
+    order; dK already scaled), to the outputs in their dtype; rows past seqlen_k and columns
+    past HEAD_DIM (a padded head dim) are not written."""
+    part = tl.program_id(0)
+    tile = n_full + part
+    n_block = tile % nb
+    head = (tile // nb) % nheads_kv
+    batch = tile // (nb * nheads_kv)
+    rows = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D)
+    src = PART + part.to(tl.int64) * (PIECES * 2 * BLOCK_N * D) + rows[:, None] * D + cols[None, :]
+    keys = (n_block * BLOCK_N + rows).to(tl.int64)
+    ok = (keys < seqlen_k)[:, None] & (cols < HEAD_DIM)[None, :]
+    dk = tl.load(src)
+    dv = tl.load(src + BLOCK_N * D)
+    for i in tl.static_range(1, PIECES):
+        dk += tl.load(src + i * (2 * BLOCK_N * D))
+        dv += tl.load(src + i * (2 * BLOCK_N * D) + BLOCK_N * D)
+    tl.store(DK + batch.to(tl.int64) * stride_dkb + head.to(tl.int64) * stride_dkh + keys[:, None] * stride_dkn
+             + cols[None, :], dk.to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + batch.to(tl.int64) * stride_dvb + head.to(tl.int64) * stride_dvh + keys[:, None] * stride_dvn
+             + cols[None, :], dv.to(DV.dtype.element_ty), mask=ok)
+
+
+def _split_fixup(pb, dk4, dv4, split, block_n, d):
+    pieces, n_full, part = split
+    n_split = part.numel() // (pieces * 2 * block_n * d)
+    launch(_split_fixup_kernel, (n_split,),
+           [part, dk4, dv4, n_full, ceil_div(pb.seqlen_k, block_n), pb.nheads_kv, pb.seqlen_k,
+            dk4.stride(0), dk4.stride(1), dk4.stride(2), dv4.stride(0), dv4.stride(1), dv4.stride(2),
+            block_n, d, dk4.shape[-1], pieces], num_warps=8)
 
 
 @triton.jit

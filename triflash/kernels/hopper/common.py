@@ -245,9 +245,19 @@ def _key_tile(nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
     boxes start at ``start_q`` / ``start_k`` / ``stat row 0`` plus them, in batch
     ``tma_batch`` (0 for varlen tensors, seen as (1, total, h, d)). A varlen key block past
     its sequence's end visits nothing (and must store nothing)."""
-    n_block = gl.program_id(0)
-    head_kv = gl.program_id(1)
-    batch = gl.program_id(2)
+    return _key_tile_at(gl.program_id(0), gl.program_id(1), gl.program_id(2),
+                        nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                        CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+
+
+@gluon.jit
+def _key_tile_at(n_block, head_kv, batch, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                 CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                 HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
+    """``_key_tile`` of key block ``n_block`` of (``batch``, ``head_kv``)."""
     group = nheads // nheads_kv
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,

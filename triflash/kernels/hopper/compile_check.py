@@ -147,7 +147,11 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
         return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
-    args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq)
+    # a tile with tail_split > 1 forces the split launch (every key tile in that many pieces)
+    split = (cfg.tail_split, 0, torch.empty(1)) if atomic_dq and cfg.tail_split > 1 else None
+    if split:
+        row["tail_split"] = cfg.tail_split
+    args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq, split)
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
 
@@ -181,14 +185,20 @@ def all_fwd(dtypes=("bf16", "fp16")):
 
 def all_bwd(dtypes=("bf16", "fp16")):
     """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16;
-    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too; the
+    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too, and where
+    it splits the last wave (``tail_split``) the split kernel without a mask; the
     padded head dims (96, 192) in bf16, dense and varlen."""
     from .. import configs
     from .common import PADDED_HEAD_DIMS, kernel_head_dim
     dims = sorted(configs.SM90_HOPPER_BWD)
     modes = {d: (False, True) if configs.SM90_HOPPER_BWD[kernel_head_dim(d)].atomic_dq else (False,)
              for d in dims + sorted(PADDED_HEAD_DIMS)}
+    import dataclasses
+    split = [d for d in dims if configs.SM90_HOPPER_BWD[d].atomic_dq and configs.SM90_HOPPER_BWD[d].tail_split != 1]
     return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes for f in FEATURES for a in modes[d]]
+            # the last wave split in pieces (hopper.bwd.tail_pieces: 4), served without a mask
+            + [compile_bwd(d, dt, "plain", True, cfg=dataclasses.replace(configs.SM90_HOPPER_BWD[d], tail_split=4))
+               for d in split for dt in dtypes]
             + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
             + [compile_bwd(d, "bf16", f, a) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES
                for a in modes[d]]
