@@ -682,6 +682,9 @@ def tail_pieces(n_tiles: int, n_sm: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device) -> int:
+    """SMs of a CUDA device (1 elsewhere: the launch-plan tests' CPU tensors; no split)."""
+    if device.type != "cuda":
+        return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
