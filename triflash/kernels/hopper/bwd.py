@@ -36,6 +36,9 @@ those wgmmas from registers. One CTA owns one key block of ``NUM_CONSUMERS * 64`
   L2 does the adds, a bulk operation per 64 x D/2 slice instead of per-thread atomics.
 * epilogue: dK_w * softmax_scale and dV_w go out through the consumer's own K_w / V_w tiles
   (no longer read) with TMA stores, which clip rows past the sequence.
+* last partial wave (``SPLIT`` > 1, ``tail_pieces``: dense, no mask, ATOMIC_DQ): the key
+  tiles that would run alone at the end each run as SPLIT CTAs over parts of their query
+  blocks; those store fp32 dK / dV per piece and ``_split_fixup_kernel`` sums and writes them.
 
 The host function runs ``bwd_stats_kernel`` (Delta = rowsum(dO * O) and lse in log2 units with
 +inf for rows past len_q / rows that saw no key, both padded to whole 64-row tiles), then
