@@ -4,6 +4,8 @@ against the fp32 reference, then backward speed beside the portable backward and
     python scripts/hopper_bwd_probe.py check|speed|rounds [--out DIR] [--deterministic]
                                        [--config stages=3,atomic_dq=1,...]
     python scripts/hopper_bwd_probe.py rounds --headdims 256 [--variants ';ds_wg1=0']
+    python scripts/hopper_bwd_probe.py rounds --cases 2x8192x16x128 --variants ';api'
+    python scripts/hopper_bwd_probe.py paths --cases 2x8192x16x128 --causal false
 
 Run each part in its own process under `timeout` (a deadlocked kernel must not eat the
 device call), e.g. `timeout 900 python scripts/hopper_bwd_probe.py check --out /tmp/p`.
@@ -112,6 +114,10 @@ def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
             out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
             dout = torch.randn_like(out)
             return _bench(lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True))
+    if impl == "api":  # the benchmark's path: the public API and autograd, dispatched tile
+        out = triflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        dout = torch.randn_like(out)
+        return _bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
     if impl == "portable":
         with triflash.force_backend("portable"):
             out = triflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
@@ -148,7 +154,9 @@ def speed(args):
 def rounds(args):
     """Backward variants timed in interleaved rounds in one process (the card's clock drifts by
     a few percent within a minute): ``--variants 'A;B;...'`` (each a ``--config`` spec, ''
-    = the dispatched tile), ``--rounds`` rounds, median kept; cuDNN in the same rounds."""
+    = the dispatched tile, ``api`` = the dispatched tile through ``flash_attn_func`` and
+    ``autograd.grad`` as the benchmark times it), ``--rounds`` rounds, median kept; cuDNN in
+    the same rounds."""
     import statistics
     variants = args.variants.split(";")
     results = []
@@ -159,7 +167,8 @@ def rounds(args):
             for _ in range(args.rounds):
                 for v in times:
                     try:
-                        ms = (_bwd_ms(b, s, h, d, causal, "cudnn", False) if v == "cudnn" else
+                        ms = (_bwd_ms(b, s, h, d, causal, v, v == "api" and args.deterministic)
+                              if v in ("cudnn", "api") else
                               _bwd_ms(b, s, h, d, causal, "hopper", args.deterministic, _cfg(args, d, v)))
                         times[v].append(flops / ms / 1e9)
                     except Exception as e:  # report, keep going
@@ -173,9 +182,66 @@ def rounds(args):
     return results
 
 
+def paths(args):
+    """The backward called directly (``hopper.bwd.bwd``), through the public API and
+    ``autograd.grad`` (what the benchmark times) and cuDNN's, each profiled over 10 calls after
+    a warm-up: per call the kernels (name, count, CUDA ms), their sum, and the span from the
+    first kernel's start to the last one's end (a span longer than the sum: the GPU waited
+    between kernels). Answers whether the two triflash paths run the same kernels for the
+    same time (docs/hopper-tier.md section 7 item 0)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triflash.kernels.hopper import bwd as hbwd
+    results = []
+    for (b, s, h, d) in round_cases(args, SPEED_CASES):
+        for causal in ((False, True) if args.causal == "both" else (args.causal == "true",)):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            out = triflash.flash_attn_func(q, k, v, causal=causal)
+            with torch.no_grad():
+                out2, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+            dout = torch.randn_like(out)
+            p = _params(q, k, causal, (-1, -1), 0.0)
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+            qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out_c = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            dout_c = dout.transpose(1, 2)
+            calls = {
+                "direct": lambda: hbwd.bwd(dout, qd, kd, vd, out2, lse, p),
+                "api": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                "cudnn": lambda: torch.autograd.grad(out_c, (qt, kt, vt), dout_c, retain_graph=True),
+            }
+            row = dict(case=f"{b}x{s}x{h}x{d}", causal=causal)
+            for name, fn in calls.items():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                n = 10
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(n):
+                        fn()
+                    torch.cuda.synchronize()
+                events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+                kernels = {}
+                for e in events:
+                    kn = kernels.setdefault(e.name[:80], [0, 0.0])
+                    kn[0] += 1
+                    kn[1] += e.device_time_total / 1e3
+                total = sum(t for _, t in kernels.values()) / n
+                span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3 / n
+                row[name] = dict(kernel_ms=round(total, 4), span_ms=round(span, 4),
+                                 do_bench_ms=round(_bench(fn), 4),
+                                 kernels={kn: [c // n, round(t / n, 4)] for kn, (c, t) in kernels.items()})
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["check", "speed", "rounds"])
+    ap.add_argument("part", choices=["check", "speed", "rounds", "paths"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--config", default="", help="HopperBwdConfig fields to change, k=v,...")
