@@ -194,13 +194,17 @@ def test_forward_plans_are_per_signature(fake_fwd):
             H.fwd(*tensors, params, cfg)
 
 
-@pytest.mark.parametrize("d,deterministic,causal", [(64, False, True), (128, False, False), (128, True, True),
-                                                    (96, False, False)])
-def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d, deterministic, causal):
+@pytest.mark.parametrize("d,deterministic,causal,tail_split", [
+    (64, False, True, 0), (128, False, False, 0), (128, True, True, 0), (96, False, False, 0),
+    (128, False, False, 4)])
+def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d, deterministic, causal,
+                                                       tail_split):
     """The backward's statistics and dK/dV launches (dense) go through plans: with
     TRIFLASH_VERIFY_LAUNCHES=1 a repeat builds its arguments as well and the plan must pass
     the same (fresh tensors each call: q, k, v, dout, out, lse and the buffers the backward
-    allocates); without it a repeat takes the plan (no new specialization)."""
+    allocates, the split tiles' piece buffer with ``tail_split`` forced); without it a repeat
+    takes the plan (no new specialization)."""
+    import dataclasses
     from triflash.kernels import configs, portable
     from triflash.kernels.hopper import bwd as HB
     from triflash.kernels.hopper import bwd_dq
@@ -208,13 +212,14 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
     monkeypatch.setattr(hc, "_capturing", lambda: False)
     monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)  # (the GPU suite sets it)
     fakes = {}
+    monkeypatch.setitem(hc._NUM_SMS, torch.device("cpu"), 132)
     for mod, name in ((HB, "hopper_bwd_kernel"), (HB, "bwd_stats_kernel"), (HB, "_scale_cast_kernel"),
-                      (bwd_dq, "hopper_dq_kernel")):
+                      (HB, "_split_fixup_kernel"), (bwd_dq, "hopper_dq_kernel")):
         fakes[name] = _Kernel(len(inspect.signature(getattr(mod, name).fn).parameters))
         monkeypatch.setattr(mod, name, fakes[name])
     b, s, h, hk = 2, 200, 4, 2
     params = portable.AttnParams(d ** -0.5, -1, 0 if causal else -1, 0.0, s, s)
-    cfg = configs.SM90_HOPPER_BWD[hc.kernel_head_dim(d)]
+    cfg = dataclasses.replace(configs.SM90_HOPPER_BWD[hc.kernel_head_dim(d)], tail_split=tail_split)
 
     def call(seed):
         g = torch.Generator().manual_seed(seed)
@@ -224,6 +229,9 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
         HB.bwd(dout, q, k, v, out, lse, params, deterministic, cfg)
     call(0)
     assert len(hc._PLANS) == 2                                            # stats, dK/dV
+    assert bool(fakes["_split_fixup_kernel"].jit_calls) == (tail_split > 1 and not deterministic)
+    if tail_split > 1:  # 1D grid: each of the 8 key tiles (2 blocks x 2 KV heads x 2) in 4 pieces
+        assert fakes["hopper_bwd_kernel"].jit_calls[0][0] == (32, 1, 1)
     monkeypatch.setattr(hc, "VERIFY_LAUNCHES", True)
     call(1)                                                               # asserts inside
     monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)

@@ -73,8 +73,8 @@ from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .common import (Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view, a_operand, descriptor, kernel_head_dim,
-                     launch, planned_launch, stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add,
-                     to_16bit)
+                     launch, num_sms, planned_launch, stat_descriptor, stat_row0, stat_rows, tma_compatible,
+                     tma_reduce_add, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -370,6 +370,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
     # has retired; the other warpgroup never touches them); the TMA store clips rows past
     # the (dense) sequence, a varlen sequence's end needs masked stores.
+    # (two calls of _store_dkdv: SPLIT decides at compile time whether the branch on slot exists)
     if SPLIT > 1:
         if slot >= 0:
             _store_piece(DKV_PART, slot, dk * softmax_scale, dv, C)
@@ -622,17 +623,18 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
     n_tiles = grid[0] * grid[1] * grid[2]
-    pieces = 1
+    pieces, n_split = 1, 0  # the last wave's n_split tiles in pieces (tail_pieces)
     if atomic_dq and params.window_left < 0 and params.window_right < 0 and cfg.tail_split != 1:
-        pieces = cfg.tail_split or tail_pieces(n_tiles, _sm_count(q.device))
+        sms = num_sms(q.device)
+        pieces = cfg.tail_split or tail_pieces(n_tiles, sms)
+        n_split = n_tiles % sms or n_tiles
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
         bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg)
         atomic_dq = False
     else:
         split = None
-        if pieces > 1:  # the last wave's tiles (n_split of them) in pieces, see tail_pieces
-            n_split = n_tiles % _sm_count(q.device) or n_tiles
+        if pieces > 1:
             dkv_part = torch.empty(n_split * pieces * 2 * cfg.block_n * d, dtype=torch.float32, device=q.device)
             split = (pieces, n_tiles - n_split, dkv_part)
             grid = (n_tiles - n_split + pieces * n_split, 1, 1)
@@ -681,14 +683,6 @@ def tail_pieces(n_tiles: int, n_sm: int) -> int:
     if r == 0 or n_tiles < n_sm or 4 * r > n_sm:
         return 1
     return 4
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    """SMs of a CUDA device (1 elsewhere: the launch-plan tests' CPU tensors; no split)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
