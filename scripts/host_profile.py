@@ -60,6 +60,7 @@ def main():
         print(f"== {name} {args.shape} causal={args.causal}: host {host:.3f} ms/call, "
               f"with the GPU {total:.3f} ms/call", file=report)
         pstats.Stats(pr, stream=report).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(pr, stream=report).sort_stats("cumulative").print_stats(args.top)
     text = report.getvalue()
     print(text)
     if args.out:

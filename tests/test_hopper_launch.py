@@ -239,3 +239,94 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
     call(2)
     assert {n: len(f.jit_calls) for n, f in fakes.items()} == jit
     assert len(fakes["hopper_bwd_kernel"].by_key) == 1 and len(fakes["bwd_stats_kernel"].by_key) == 1
+
+
+# ---- plans past Triton's launcher wrapper (LaunchPlan.direct) --------------------------------
+
+def _fake_map(desc, meta):
+    """Stands in for ``make_tensordesc_arg``: (the map, shape, strides), the map a function
+    of everything the real one encodes."""
+    return [("map", desc.base.data_ptr(), tuple(desc.block_shape), meta), *desc.shape, *desc.strides]
+
+
+def _wrapped_launcher(launcher, tensordesc_indices, tensordesc_meta):
+    """The shape of triton 3.6's ``wrap_handle_tensordesc``: what ``_direct_launcher`` opens."""
+    def inner(*args):
+        final_args = list(args[:13])
+        n = 0
+        for i, arg in enumerate(args[13:]):
+            if i in tensordesc_indices:
+                final_args.extend(_fake_map(arg, tensordesc_meta[n]))
+                n += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+    return inner
+
+
+class _Runner:
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, indices, meta):
+        self.raw_calls = []
+        self.launch = _wrapped_launcher(lambda *a: self.raw_calls.append(a), set(indices), meta)
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+
+
+class _WrappedCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, args):
+        indices = [i for i, a in enumerate(args) if a.__class__ is hc.TensorDescriptor]
+        self.run = _Runner(indices, [{"swizzle": i} for i in indices])
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, True)])
+def test_plan_launches_past_the_wrapper_as_the_wrapper_would(fake_fwd, monkeypatch, d, causal):
+    """A plan over Triton's launcher wrapper keeps the expanded list and refills only the
+    call's tensors and their descriptors' maps: each repeat passes the C launcher exactly
+    what the wrapper would have made of the list ``kernel_args`` builds for it (fresh tensors
+    every call, one of them at the first call's address, so a kept map is reused)."""
+    from triton.backends.nvidia import driver as nvidia_driver
+    H, _ = fake_fwd
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", _fake_map)
+    shape = (2, 300, 300, 4)
+    first, params, cfg = _fwd_case(H, shape, 2, d, causal, -1, 0.0, seed=0)
+    grid, args = H.kernel_args(*first, params, cfg, num_sms=132)
+    compiled = _WrappedCompiled(args)
+    plan = hc.LaunchPlan(compiled, grid, args, first)
+    assert plan.direct is not None
+    assert not any(x is t for x in plan.flat for t in first)  # holds no call's tensor (a kept
+    del args                                                     # schedule table it may)
+    wrapper = compiled.run
+    for seed in (1, 2, 3):
+        tensors, _, _ = _fwd_case(H, shape, 2, d, causal, -1, 0.0, seed=seed)
+        if seed == 3:  # the same q as the call before (a kept map): still its own call's
+            tensors = (kept_q,) + tensors[1:]
+        kept_q = tensors[0]
+        plan.run(tensors, 0)
+        direct = wrapper.raw_calls.pop()
+        _, built = H.kernel_args(*tensors, params, cfg, num_sms=132)
+        wrapper(grid[0], 1, 1, 1234, "fn", "meta", None, None, None, *built)
+        expected = wrapper.raw_calls.pop()
+        assert len(direct) == len(expected)
+        for x, y in zip(direct, expected):
+            assert x is y if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) else x == y
+
+
+def test_plans_fall_back_to_the_launcher_they_cannot_open(fake_fwd):
+    """A launcher that is not the wrapper ``_direct_launcher`` knows (a stand-in, scratch
+    buffers, a descriptor without metadata): the plan calls ``compiled.run`` as before."""
+    H, _ = fake_fwd
+    first, params, cfg = _fwd_case(H, (1, 128, 128, 2), 2, 128, False, -1, 0.0, seed=0)
+    grid, args = H.kernel_args(*first, params, cfg, num_sms=132)
+    assert hc.LaunchPlan(_Compiled(), grid, args, first).direct is None
+    scratch = _WrappedCompiled(args)
+    scratch.run.global_scratch_size = 64
+    assert hc.LaunchPlan(scratch, grid, args, first).direct is None
+    no_meta = _WrappedCompiled(args)
+    no_meta.run.launch = _wrapped_launcher(no_meta.run.launch, {0}, [None])
+    assert hc.LaunchPlan(no_meta, grid, args, first).direct is None

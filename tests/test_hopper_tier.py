@@ -384,3 +384,22 @@ def test_hopper_varlen(d, mask, seqused):
     with triflash.force_backend("hopper"):
         check_varlen(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal, window, softcap,
                      seqused=used, seed=d, pad=9, deterministic=seqused)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
+def test_hopper_launch_plans_run(d, mask, monkeypatch):
+    """Repeat calls of one signature launch through their plans (``hopper.common
+    .planned_launch``, past Triton's launcher wrapper where it can: ``LaunchPlan.direct``),
+    which the rest of this suite checks only as argument lists (TRIFLASH_VERIFY_LAUNCHES=1
+    builds every list). Here the plans run: three calls with fresh inputs (the descriptors'
+    maps refilled), forward and backward each against the fp32 reference, and the forward's
+    plan took the direct path."""
+    from triflash.kernels.hopper import common as hc
+    monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)
+    monkeypatch.setattr(hc, "_PLANS", {})
+    causal, window, softcap = MASKS[mask]
+    for seed in range(3):
+        with triflash.force_backend("hopper"):
+            check_attention(2, 1000, 1000, 8, 2, d, torch.bfloat16, causal, window, softcap, seed=seed)
+    assert any(plan.direct is not None for plan in hc._PLANS.values())

@@ -149,3 +149,37 @@ def test_qkvpacked_layout_checked():
         triflash.flash_attn_qkvpacked_func(qkv[:, :, 0])
     with expect(ValueError, "num_heads_q=3", "nheads_kv >= 1"):
         triflash.flash_attn_qkvpacked_func(qkv.flatten(2, 3)[:, :, :6], num_heads_q=3)
+
+
+def test_a_validated_signature_still_refuses_what_validation_refuses():
+    """A repeat of a dense call that passed validation skips it (``interface._VALIDATED``,
+    keyed by shapes, strides, dtypes, devices and the scalars with their types): the same
+    tensors with an argument validation refuses still raise, and a cached call computes
+    what an uncached one does."""
+    from triflash import interface
+    interface._VALIDATED.clear()
+    q, k, v = qkv(sq=5, sk=7)
+    first = triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1))
+    assert len(interface._VALIDATED) == 1
+    again = triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1))
+    assert len(interface._VALIDATED) == 1 and torch.equal(first, again)
+    with expect(TypeError, "causal=1", "expected a bool"):
+        triflash.flash_attn_func(q, k, v, causal=1, window_size=(1, -1))
+    with expect(ValueError, "window_size\\[0\\]=True", "expected an int"):  # (True, -1) == (1, -1)
+        triflash.flash_attn_func(q, k, v, causal=True, window_size=(True, -1))
+    with expect(ValueError, "softmax_scale=True"):
+        triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1), softmax_scale=True)
+    with expect(ValueError, "softcap=False"):  # False == 0.0, the cached softcap
+        triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1), softcap=False)
+    with expect(NotImplementedError, "attention_chunk"):
+        triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1), attention_chunk=4)
+    with expect(ValueError, "seqlen_k"):
+        triflash.flash_attn_func(q, k, v[:, :6], causal=True, window_size=(1, -1))
+    with expect(TypeError, "dtypes"):
+        triflash.flash_attn_func(q, k, v.bfloat16(), causal=True, window_size=(1, -1))
+    # a list window is validated every call (not hashable: no signature) and means the same
+    assert torch.equal(triflash.flash_attn_func(q, k, v, causal=True, window_size=[1, -1]), first)
+    # a non-contiguous last dim is copied, as before, and not cached
+    qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert torch.equal(triflash.flash_attn_func(qt, k, v, causal=True, window_size=(1, -1)), first)
+    assert len(interface._VALIDATED) == 1

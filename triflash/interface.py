@@ -13,6 +13,8 @@ Semantics shared by every function:
   the scaled (soft-capped) scores, shape (batch, nheads, seqlen_q), or (nheads, total_q)
   for varlen.
 """
+import torch
+
 from . import ops
 from . import validation as V
 from .rotary import apply_rotary, token_positions
@@ -28,6 +30,31 @@ def _check_flag(name, value):
         V._fail(name, value, "expected a bool", TypeError)
 
 
+# Dense calls whose arguments passed validation, by signature -> (ints, floats) for the ops.
+# Validation reads only what the signature holds (shapes, strides, dtypes, devices and the
+# scalar arguments with their types), so a repeat skips it: ~6 us of Python per call on a
+# fast host, twice that on the H200's, which a 1k-token forward pays as wall time under
+# do_bench (benchmarks/NOTES.md). Only plain tensors with a contiguous last dim, bool flags,
+# a window of two ints and default FA3 extras take this path; anything else is validated
+# every time, as is every call while torch.compile traces.
+_VALIDATED = {}
+
+
+def _dense_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic):
+    """The key of ``_VALIDATED`` for these arguments, or None (validate every time)."""
+    if not (q.__class__ is torch.Tensor and k.__class__ is torch.Tensor and v.__class__ is torch.Tensor
+            and causal.__class__ is bool and deterministic.__class__ is bool
+            and window_size.__class__ is tuple and len(window_size) == 2
+            and window_size[0].__class__ is int and window_size[1].__class__ is int):
+        return None
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    if qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1:
+        return None
+    return (q.shape, qs, k.shape, ks, v.shape, vs, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            softmax_scale.__class__, softmax_scale, softcap.__class__, softcap, causal, window_size,
+            deterministic)
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
                     k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
@@ -40,16 +67,25 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     ``num_splits``, ``pack_gqa`` and ``sm_margin`` are FA3 performance hints, accepted and
     ignored.
     """
-    _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
-    _check_flag("causal", causal)
-    _check_flag("deterministic", deterministic)
-    V.check_qkv(q, k, v, varlen=False)
-    q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
-    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
-    left, right = V.normalize_window(window_size, causal)
-    out, lse = ops.attention(q, k, v, None, None, None, None,
-                             *ops.pack_scalars(q.shape[1], k.shape[1], softmax_scale, left, right,
-                                               softcap, deterministic))
+    key = None
+    if (qv is None and q_descale is None and k_descale is None and v_descale is None
+            and attention_chunk.__class__ is int and attention_chunk == 0 and not torch.compiler.is_compiling()):
+        key = _dense_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
+    scalars = _VALIDATED.get(key) if key is not None else None
+    if scalars is None:
+        _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
+        _check_flag("causal", causal)
+        _check_flag("deterministic", deterministic)
+        V.check_qkv(q, k, v, varlen=False)
+        q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
+        softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+        left, right = V.normalize_window(window_size, causal)
+        scalars = ops.pack_scalars(q.shape[1], k.shape[1], softmax_scale, left, right, softcap, deterministic)
+        if key is not None:
+            if len(_VALIDATED) >= 256:
+                _VALIDATED.clear()
+            _VALIDATED[key] = scalars
+    out, lse = ops.attention(q, k, v, None, None, None, None, *scalars)
     return (out, lse) if return_attn_probs else out
 
 
@@ -90,7 +126,6 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
 
     The kernels read q, k and v as strided views of qkv, and the backward writes dq, dk
     and dv into views of one dqkv (no concatenation)."""
-    import torch
     _fa3_extras(None, q_descale, k_descale, v_descale, attention_chunk)
     _check_flag("causal", causal)
     _check_flag("deterministic", deterministic)
@@ -155,7 +190,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     ``triflash.set_check_inputs(True)``; otherwise the kernels clamp them (no fault) and new
     tokens past a sequence's cache are not written.
     """
-    import torch
     V.reject_unsupported(qv=(qv, None), cu_seqlens_k_new=(cu_seqlens_k_new, None),
                          q_descale=(q_descale, None), k_descale=(k_descale, None),
                          v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
@@ -212,7 +246,6 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, retur
     ``out_dtype`` (default out_partial's), written into ``out`` when given; lse =
     logsumexp_i lse_i (fp32, -inf where every split saw nothing; out 0 there).
     ``return_lse=False`` (FA4's option) returns out alone."""
-    import torch
     for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             V._fail(name, getattr(t, "dtype", type(t).__name__), "expected a float32 tensor", TypeError)

@@ -406,8 +406,15 @@ def _capturing() -> bool:
 class LaunchPlan:
     """The argument list of one launch with the call's tensors taken out: ``slots`` say where
     each of ``tensors`` goes, as itself or as the base of a TMA descriptor (box and layout
-    kept). Other tensors in the list (a cached schedule table) stay in it."""
-    __slots__ = ("compiled", "grid", "template", "slots")
+    kept). Other tensors in the list (a cached schedule table) stay in it.
+
+    ``run`` goes past Triton's launcher wrapper as well where it can (``_direct_launcher``):
+    that wrapper walks the whole list on every launch, turning each descriptor into its
+    ``CUtensorMap`` and shape / strides. The plan keeps that expanded list once, with the
+    call's tensors and the maps of their descriptors as the only slots; a map (a pure
+    function of the base pointer and what the plan fixes: shape, strides, box, layout) is
+    kept per slot and pointer."""
+    __slots__ = ("compiled", "grid", "template", "slots", "direct", "flat", "flat_slots")
 
     def __init__(self, compiled, grid, args, tensors):
         where = {id(t): j for j, t in enumerate(tensors)}
@@ -420,6 +427,33 @@ class LaunchPlan:
             elif id(a) in where:
                 self.slots.append((i, where[id(a)], None, None))
                 self.template[i] = None
+        self.direct = _direct_launcher(compiled)
+        if self.direct is not None:
+            self._flatten(args, where)
+
+    def _flatten(self, args, where):
+        """The launcher's expanded list (``flat``) and where the call's tensors go in it
+        (``flat_slots``: (position, tensor index, None) or, for a descriptor, (position,
+        tensor index, (its TensorDescriptor fields, its metadata, maps by pointer)))."""
+        _, indices, meta, expand = self.direct
+        self.flat, self.flat_slots = [], []
+        n_desc = 0
+        for i, a in enumerate(args):
+            if i in indices:
+                m = meta[n_desc]
+                n_desc += 1
+                piece = expand(a, m)
+                j = where.get(id(a.base))
+                if j is None:  # a descriptor the plan does not refill: kept as expanded
+                    self.flat.extend(piece)
+                    continue
+                self.flat_slots.append((len(self.flat), j, (a.block_shape, a.layout, m, {})))
+                self.flat.extend(piece)
+            else:
+                j = where.get(id(a))
+                if j is not None:
+                    self.flat_slots.append((len(self.flat), j, None))
+                self.flat.append(None if j is not None else a)  # (holds no call's tensor)
 
     def args(self, tensors):
         args = self.template[:]
@@ -427,11 +461,60 @@ class LaunchPlan:
             args[i] = tensors[j] if block is None else _make_descriptor(tensors[j], block, layout)
         return args
 
+    def flat_args(self, tensors):
+        """The expanded list of a call with ``tensors`` (what Triton's wrapper would pass)."""
+        _, _, _, expand = self.direct
+        flat = self.flat[:]
+        for pos, j, desc in self.flat_slots:
+            t = tensors[j]
+            if desc is None:
+                flat[pos] = t
+                continue
+            block, layout, m, maps = desc
+            ptr = t.data_ptr()
+            piece = maps.get(ptr)
+            if piece is None:
+                if len(maps) >= 16:
+                    maps.clear()
+                piece = maps[ptr] = expand(_make_descriptor(t, block, layout), m)
+            flat[pos:pos + len(piece)] = piece
+        return flat
+
     def run(self, tensors, device):
         c, g = self.compiled, self.grid
-        c.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
-              driver.active.get_current_stream(device), c.function, c.packed_metadata, None, None,
-              None, *self.args(tensors))
+        stream = driver.active.get_current_stream(device)
+        gy, gz = g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
+        if self.direct is None:
+            c.run(g[0], gy, gz, stream, c.function, c.packed_metadata, None, None, None, *self.args(tensors))
+            return
+        raw, _, _, _ = self.direct
+        runner = c.run
+        raw(g[0], gy, gz, stream, c.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None,
+            c.packed_metadata, None, None, None, *self.flat_args(tensors))
+
+
+def _direct_launcher(compiled):
+    """(launch, descriptor argument indices, their metadata, expand) for a compiled kernel
+    whose launcher is Triton 3.6's CUDA launcher wrapped by ``wrap_handle_tensordesc`` (the
+    C ``launch`` it calls, and ``make_tensordesc_arg``), or None: then plans call
+    ``compiled.run`` as any launch does (another Triton, scratch buffers, no descriptor
+    metadata, a stand-in kernel in tests)."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+        runner = compiled.run
+        wrapper = runner.launch
+        if runner.global_scratch_size or runner.profile_scratch_size:
+            return None
+        cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__))
+        raw = cells["launcher"].cell_contents
+        indices = cells["tensordesc_indices"].cell_contents
+        meta = cells["tensordesc_meta"].cell_contents
+        runner.launch_cooperative_grid, runner.launch_pdl  # (noqa: both read per launch)
+    except (AttributeError, KeyError, TypeError, ValueError, ImportError):
+        return None
+    if wrapper.__code__.co_name != "inner" or any(m is None for m in meta) or not callable(raw):
+        return None
+    return raw, frozenset(indices), list(meta), nvidia_driver.make_tensordesc_arg
 
 
 def _same_args(a, b, tensors=()) -> bool:
