@@ -196,25 +196,28 @@ def test_forward_plans_are_per_signature(fake_fwd):
 
 @pytest.mark.parametrize("d,deterministic,causal,tail_split", [
     (64, False, True, 0), (128, False, False, 0), (128, True, True, 0), (96, False, False, 0),
-    (128, False, False, 4)])
+    (128, False, False, 4), (256, False, True, 0), (192, True, False, 0)])
 def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d, deterministic, causal,
                                                        tail_split):
-    """The backward's statistics and dK/dV launches (dense) go through plans: with
-    TRIFLASH_VERIFY_LAUNCHES=1 a repeat builds its arguments as well and the plan must pass
-    the same (fresh tensors each call: q, k, v, dout, out, lse and the buffers the backward
-    allocates, the split tiles' piece buffer with ``tail_split`` forced); without it a repeat
-    takes the plan (no new specialization)."""
+    """The backward's launches (dense) go through plans: statistics, dK/dV (hopper/bwd.py's
+    kernel, or bwd256's at 192 / 256) and the separate dQ kernel where it runs
+    (deterministic=True, or 192 / 256). With TRIFLASH_VERIFY_LAUNCHES=1 a repeat builds its
+    arguments as well and the plan must pass the same (fresh tensors each call: q, k, v,
+    dout, out, lse and the buffers the backward allocates, the split tiles' piece buffer
+    with ``tail_split`` forced); without it a repeat takes the plan (no new
+    specialization)."""
     import dataclasses
     from triflash.kernels import configs, portable
     from triflash.kernels.hopper import bwd as HB
-    from triflash.kernels.hopper import bwd_dq
+    from triflash.kernels.hopper import bwd256, bwd_dq
     monkeypatch.setattr(hc, "_PLANS", {})
     monkeypatch.setattr(hc, "_capturing", lambda: False)
     monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)  # (the GPU suite sets it)
     fakes = {}
     monkeypatch.setitem(hc._NUM_SMS, torch.device("cpu"), 132)
     for mod, name in ((HB, "hopper_bwd_kernel"), (HB, "bwd_stats_kernel"), (HB, "_scale_cast_kernel"),
-                      (HB, "_split_fixup_kernel"), (bwd_dq, "hopper_dq_kernel")):
+                      (HB, "_split_fixup_kernel"), (bwd_dq, "hopper_dq_kernel"),
+                      (bwd256, "hopper_bwd256_kernel")):
         fakes[name] = _Kernel(len(inspect.signature(getattr(mod, name).fn).parameters))
         monkeypatch.setattr(mod, name, fakes[name])
     b, s, h, hk = 2, 200, 4, 2
@@ -228,7 +231,10 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
         lse = torch.randn(b, h, s, generator=g)
         HB.bwd(dout, q, k, v, out, lse, params, deterministic, cfg)
     call(0)
-    assert len(hc._PLANS) == 2                                            # stats, dK/dV
+    separate_dq = deterministic or d in (192, 256)
+    assert len(hc._PLANS) == 2 + separate_dq                              # stats, dK/dV (, dQ)
+    assert bool(fakes["hopper_dq_kernel"].jit_calls) == separate_dq
+    assert bool(fakes["hopper_bwd256_kernel"].jit_calls) == (d in (192, 256))
     assert bool(fakes["_split_fixup_kernel"].jit_calls) == (tail_split > 1 and not deterministic)
     if tail_split > 1:  # 1D grid: each of the 8 key tiles (2 blocks x 2 KV heads x 2) in 4 pieces
         assert fakes["hopper_bwd_kernel"].jit_calls[0][0] == (32, 1, 1)
@@ -238,7 +244,9 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
     jit = {n: len(f.jit_calls) for n, f in fakes.items()}
     call(2)
     assert {n: len(f.jit_calls) for n, f in fakes.items()} == jit
-    assert len(fakes["hopper_bwd_kernel"].by_key) == 1 and len(fakes["bwd_stats_kernel"].by_key) == 1
+    dkdv = "hopper_bwd256_kernel" if d in (192, 256) else "hopper_bwd_kernel"
+    assert len(fakes[dkdv].by_key) == 1 and len(fakes["bwd_stats_kernel"].by_key) == 1
+    assert len(fakes["hopper_dq_kernel"].by_key) == separate_dq
 
 
 # ---- plans past Triton's launcher wrapper (LaunchPlan.direct) --------------------------------

@@ -51,8 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..common import ceil_div, tanh
 from .bwd import _bwd_loader, _loader_barriers
 from .common import (_acc_layout, _key_tile, _tma_view, a_operand, clock, descriptor, global_ns, kernel_head_dim, sm_id,
-                     stat_descriptor, to_16bit)
-from .common import launch as launch_kernel
+                     planned_launch, stat_descriptor, to_16bit)
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
@@ -432,6 +431,12 @@ def _timeline(grid, tma_epilogue):
 
 
 def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
-    """``cfg``: the ``configs.HopperBwdConfig`` tile."""
-    grid, args = kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg)
-    launch_kernel(hopper_bwd256_kernel, grid, args)
+    """``cfg``: the ``configs.HopperBwdConfig`` tile. A dense batch launches through the plan
+    of its signature (``common.planned_launch``); varlen batches and the timeline probe
+    build their arguments every call."""
+    def build():
+        return kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg)
+    key = None if pb.varlen or cfg.timeline else (
+        "bwd256", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), dk.stride(),
+        dv.stride(), q.dtype, q.get_device(), params, cfg, pb.seq_flags)
+    planned_launch(hopper_bwd256_kernel, key, (q, k, v, dout, dk, dv, stat, delta), build)

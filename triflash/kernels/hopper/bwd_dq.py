@@ -28,8 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh, visible
 from .common import (_acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor, kernel_head_dim,
-                     stat_row0, to_16bit)
-from .common import launch as launch_kernel
+                     planned_launch, stat_row0, to_16bit)
 
 ROWS_PER_CONSUMER = 64
 
@@ -233,6 +232,11 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
 
 
 def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, packed_cvt=False):
-    grid, args = kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages,
-                             packed_cvt=packed_cvt)
-    launch_kernel(hopper_dq_kernel, grid, args)
+    """A dense batch launches through the plan of its signature (``common.planned_launch``),
+    a varlen one builds its arguments every call."""
+    def build():
+        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, packed_cvt=packed_cvt)
+    key = None if pb.varlen else (
+        "dq", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), dq.stride(),
+        q.dtype, q.get_device(), params, block_n, stages, packed_cvt, pb.seq_flags)
+    planned_launch(hopper_dq_kernel, key, (q, k, v, dout, dq, stat, delta), build)
