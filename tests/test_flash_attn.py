@@ -229,3 +229,40 @@ def test_forward_rescaling():
         ref, lse_ref = attention_ref(q, k, v, **kw)
         pt, _ = attention_ref(q, k, v, upcast=False, **kw)
         assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "qkvpacked"])
+def test_backward_fills_no_gradient_for_lse(packed):
+    """lse is returned for inspection, not differentiated: the backward neither receives nor
+    builds a gradient for it (autograd would otherwise fill a zero (batch, heads, seqlen_q)
+    tensor every call). (The gradients themselves: every other backward test.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # (how autograd materializes a missing gradient; the kernels' own buffers, which
+            # the suite poisons with fill_, are not counted)
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.new_zeros):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    if packed:
+        qkv = torch.randn(2, 37, 3, 2, 16, generator=g).to(DEVICE, torch.float16).requires_grad_()
+        out, lse = triflash.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+        inputs = (qkv,)
+    else:
+        q, k, v = (torch.randn(2, 37, 2, 16, generator=g).to(DEVICE, torch.float16).requires_grad_()
+                   for _ in range(3))
+        out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        inputs = (q, k, v)
+    dout = torch.randn(out.shape, generator=g).to(out)
+    with _Fills() as fills:
+        grads = torch.autograd.grad(out, inputs, dout, retain_graph=True)
+    assert tuple(lse.shape) not in fills.shapes
+    assert all(g_.shape == x.shape and torch.isfinite(g_).all() for g_, x in zip(grads, inputs))

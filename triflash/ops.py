@@ -199,10 +199,15 @@ class _Attention(torch.autograd.Function):
         output = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(output[1])  # lse
+        # lse's gradient is never read: without this autograd fills a zero (batch, heads,
+        # seqlen_q) tensor for it on every backward (a kernel launch and an allocation)
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:  # (not materialized: out took no part in what is differentiated)
+            return (None,) * 9
         dq, dk, dv = _bwd_impl(dout, *ctx.saved_tensors, *ctx.scalars)
         return dq, dk, dv, None, None, None, None, None, None
 
@@ -215,10 +220,13 @@ class _AttentionQKVPacked(torch.autograd.Function):
         output = _fwd_qkvpacked_impl(qkv, ints, floats)
         _setup_context_qkvpacked(ctx, (qkv, ints, floats), output)
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # (as _Attention)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None
         return _bwd_qkvpacked_impl(dout, *ctx.saved_tensors, *ctx.scalars), None, None
 
 
