@@ -429,28 +429,23 @@ class LaunchPlan:
                 self.template[i] = None
         self.direct = _direct_launcher(compiled)
         if self.direct is not None:
-            self._flatten(args, where)
+            self._flatten(args)
 
-    def _flatten(self, args, where):
+    def _flatten(self, args):
         """The launcher's expanded list (``flat``) and where the call's tensors go in it
-        (``flat_slots``: (position, tensor index, None) or, for a descriptor, (position,
-        tensor index, (its TensorDescriptor fields, its metadata, maps by pointer)))."""
+        (``flat_slots``: (position, tensor index, None), or for a descriptor (position, tensor
+        index, (box, layout, its metadata, maps by pointer))), from ``slots``."""
         _, indices, meta, expand = self.direct
+        slot_of = {i: (j, block, layout) for i, j, block, layout in self.slots}
+        metas = iter(meta)
         self.flat, self.flat_slots = [], []
-        n_desc = 0
         for i, a in enumerate(args):
-            if i in indices:
-                m = meta[n_desc]
-                n_desc += 1
-                piece = expand(a, m)
-                j = where.get(id(a.base))
-                if j is None:  # a descriptor the plan does not refill: kept as expanded
-                    self.flat.extend(piece)
-                    continue
-                self.flat_slots.append((len(self.flat), j, (a.block_shape, a.layout, m, {})))
-                self.flat.extend(piece)
+            j, block, layout = slot_of.get(i, (None, None, None))
+            if i in indices:  # (every descriptor is a slot: __init__)
+                m = next(metas)
+                self.flat_slots.append((len(self.flat), j, (block, layout, m, {})))
+                self.flat.extend(expand(a, m))
             else:
-                j = where.get(id(a))
                 if j is not None:
                     self.flat_slots.append((len(self.flat), j, None))
                 self.flat.append(None if j is not None else a)  # (holds no call's tensor)
