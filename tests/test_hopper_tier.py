@@ -199,6 +199,48 @@ def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", [(777, 2048, 8, 4), (2048, 1537, 4, 4), (1000, 1000, 16, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
+    """``own_blocks`` (each consumer warpgroup computes only the key blocks its own 64 rows
+    see, masked only where they need it; dispatched at head dim 64 since session 18) leaves
+    out blocks whose every probability is exactly 0 and masks that keep every score: out
+    and lse keep the bits of the tile-wide range. With softcap an unmasked block's
+    ``softcap * tanh - max`` contracts into one FMA where a masked one rounds twice, so
+    there the two agree to an ulp of the output instead. The shapes skip leading blocks
+    (causal diagonal), trailing ones (left window), whole consumers (sq > sk bottom-right:
+    rows that see no key; rows past the sequence), and walk several tiles per persistent
+    CTA (1000 x 16 heads); dense and varlen."""
+    import dataclasses
+    from triflash.kernels import configs
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    g = torch.Generator(device="cuda").manual_seed(sq)
+    q = torch.randn(2, sq, h, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, sk, hk, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
+
+    def run():
+        with triflash.force_backend("hopper"):
+            dense = triflash.flash_attn_func(q, k, v, **kw)
+            varlen = triflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                     cu_q, cu_k, sq, sk, **kw)
+            return (*dense, *varlen)
+    cfg = configs.SM90_HOPPER_FWD[64]
+    assert cfg.own_blocks
+    dispatched = run()
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, 64, dataclasses.replace(cfg, own_blocks=False))
+    for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), dispatched, run()):
+        if softcap:
+            tol = dict(rtol=2 ** -7, atol=2 ** -9) if "out" in name else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a, b, **tol, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

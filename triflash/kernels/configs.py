@@ -63,6 +63,18 @@ class HopperFwdConfig:
     # 430.2 -> 429.3: dispatched at 128; 64 (three consumers) 514.2 -> 492.2 / 453.2 ->
     # 452.6 and 256 (spills 1.2-2 KB) 685.6 -> 359.1 / 652.0 -> 345.8: not there.
     q_regs: bool = False
+    # Each consumer visits only the key blocks its own 64 rows see (``common.n_block_range``
+    # of those rows) and masks only where they need it; the tile's other blocks it merely
+    # waits for and releases (``hopper.fwd._own_blocks``). Under causal / window masks a
+    # 192-row tile with 128-key blocks (head dim 64, three consumers) computes ~1.5 blocks
+    # per tile that one of its consumers cannot see, and rows all past the sequence (the
+    # last tile of 8192 rows) compute nothing; 64's kernels spill nothing with it (648 / 336 B
+    # before). Measured (session 18, five interleaved rounds, TFLOPS off -> on, every head
+    # dim on then: probes/fwd-rounds-own_blocks-aac5c09+.json): 64 2x8192x32 499.8 -> 507.4
+    # / 461.3 -> 483.1 (cuDNN 450.5 / 427.6): dispatched at 64. 128 2x8192x16 630.3 -> 620.8
+    # / 602.1 -> 599.6, seed 256 681.2 -> 677.1 / 647.8 -> 644.6 (a 128-row tile skips at
+    # most one 64-key block per consumer): not there (off compiles to the kernels before).
+    own_blocks: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
@@ -244,7 +256,7 @@ SM90_BWD = {
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
-                        persistent_unmasked=True, persistent_masked=True, q_slots=2),
+                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True),

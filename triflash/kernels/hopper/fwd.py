@@ -13,7 +13,11 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   wgmma of block j-1 (FA3's intra-warpgroup overlap).
 * key blocks are visited from the last to the first, so the masked blocks (causal diagonal,
   sequence tail) come first, then the unmasked middle, then the left sliding-window edge;
-  ``common.n_block_range`` decides which is which, as in the portable kernels.
+  ``common.n_block_range`` decides which is which, as in the portable kernels. With
+  ``OWN_BLOCKS`` (``HopperFwdConfig.own_blocks``) each consumer takes that range for its
+  own 64 rows: it computes only the blocks they see, masks only where they need it, and
+  merely waits for and releases the ring slots (and pingpong turns) of the tile's others
+  (``_own_blocks``, ``_skip_step``).
 * epilogue: O / l into the consumer's own Q tile (no longer needed), TMA store (rows past
   the sequence are clipped by the descriptor), LSE with plain stores.
 * persistent (``walk``): one CTA per SM walks tiles, on a dense batch without causal /
@@ -38,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import ceil_div, scores, visible
+from ..common import ceil_div, n_block_range, scores, visible
 from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
                      a_operand, descriptor, kernel_head_dim, num_sms, persistent_walk, planned_launch,
                      schedule_table, to_16bit)
@@ -147,6 +151,49 @@ def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _own_blocks(row_start, len_q, len_k, window_left, window_right, n_min, n_full_min, n_full_max, n_max,
+                BM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """A consumer's part of its tile's key blocks [n_min, n_max), counted in visiting order
+    (it = 0 is block n_max - 1): (lead, end, full_min, full_max): it computes blocks
+    it in [lead, end) and needs no mask for blocks in [full_min, full_max) (the range of
+    ``common.n_block_range`` for its own 64 rows, a subset of the tile's). Rows all past
+    len_q compute nothing."""
+    count = n_max - n_min
+    lead = count * 0
+    end = count
+    c_full_min = n_full_min
+    c_full_max = n_full_max
+    if HAS_LEFT or HAS_RIGHT:
+        c_min, c_full_min, c_full_max, c_max = n_block_range(
+            row_start // BM, len_q, len_k, window_left, window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        lead = gl.minimum(gl.maximum(n_max - c_max, 0), count)
+        if HAS_LEFT:  # (causal alone: c_min = n_min = 0)
+            end = gl.maximum(gl.minimum(n_max - c_min, count), lead)
+    if row_start >= len_q:
+        lead = count
+    if end == lead:  # nothing to compute: every slot is skipped in the leading loop
+        lead = count
+        end = count
+    return lead, end, c_full_min, c_full_max
+
+
+@gluon.jit
+def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.constexpr, CID: gl.constexpr,
+               PINGPONG: gl.constexpr):
+    """A key block none of this consumer's rows sees: its turn is taken and passed, its ring
+    slot waited for (an arrival must not count toward the slot's previous phase) and
+    released."""
+    stage = g % STAGES
+    phase = (g // STAGES) & 1
+    _take_turn(turns, turn, CID, PINGPONG)
+    _pass_turn(turns, CID, PINGPONG)
+    mbarrier.wait(k_ready.index(stage), phase)
+    mbarrier.arrive(k_free.index(stage))
+    mbarrier.wait(v_ready.index(stage), phase)
+    mbarrier.arrive(v_free.index(stage))
+
+
+@gluon.jit
 def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns, turn,
               o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
               qk_scale, softcap_log2, window_left, window_right,
@@ -194,7 +241,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr):
+                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
+                  OWN_BLOCKS: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -225,28 +273,48 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         mbarrier.wait(q_ready.index(slot), use & 1)
         q_a = a_operand(q_buf, Q_REGS, s_layout)  # (Q_REGS: every S wgmma reads Q from registers)
         count = n_max - n_min
-        if count > 0:
-            # Prologue: the last key block, always through the mask (it may be the diagonal
-            # or the sequence tail; masking an unmasked block is merely a little slower).
-            stage = kv_base % STAGES
-            _take_turn(turns, turn, CID, PINGPONG)
-            mbarrier.wait(k_ready.index(stage), (kv_base // STAGES) & 1)
+        # This warpgroup's own key blocks (``_own_blocks``): of the tile's ``count`` (visited
+        # from the last), the first ``lead`` and those after ``end`` hold no key any of its
+        # 64 rows sees; it only waits for and releases their ring slots.
+        if OWN_BLOCKS:
+            lead, end, c_full_min, c_full_max = _own_blocks(
+                row_start, len_q, len_k, window_left, window_right, n_min, n_full_min, n_full_max, n_max,
+                BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            for it in range(0, lead):
+                _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it, STAGES, CID,
+                           PINGPONG)
+        else:  # the tile's range for every consumer
+            lead: gl.constexpr = 0
+            end = count
+            c_full_min = n_full_min
+            c_full_max = n_full_max
+        if end > lead:
+            # Prologue: its first key block, always through the mask (it may be the
+            # diagonal or the sequence tail; masking an unmasked block is merely a little
+            # slower).
+            g0 = kv_base + lead
+            stage = g0 % STAGES
+            _take_turn(turns, turn + lead, CID, PINGPONG)
+            mbarrier.wait(k_ready.index(stage), (g0 // STAGES) & 1)
             s_tok = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_free.index(stage))
-            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1) * BLOCK_N + cols0,
+            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
                                                  True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
-            # Steps 1.. : masked right edge, unmasked middle, masked left edge (unrolled:
-            # MASK is a compile-time constant per segment).
-            r1 = gl.maximum(n_max - n_full_max, 1)
-            r2 = gl.maximum(n_max - n_full_min, r1)
-            bounds = (1, r1, r2, count)
+            # Steps after it: masked right edge, unmasked middle, masked left edge (of its
+            # own rows; unrolled: MASK is a compile-time constant per segment).
+            r1 = gl.maximum(n_max - c_full_max, lead + 1)
+            r2 = gl.maximum(n_max - c_full_min, r1)
+            if OWN_BLOCKS:
+                r1 = gl.minimum(r1, end)
+                r2 = gl.minimum(r2, end)
+            bounds = (lead + 1, r1, r2, end)
             for seg in gl.static_range(3):
                 for it in range(bounds[seg], bounds[seg + 1]):
                     o_acc, m_i, l_i, p_prev = _fwd_step(
@@ -254,16 +322,27 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT)
-            # Epilogue: the PV of the first key block.
-            g_last = kv_base + count - 1
+            # Epilogue: the PV of its last key block.
+            g_last = kv_base + end - 1
             last = g_last % STAGES
-            _take_turn(turns, turn + count, CID, PINGPONG)
+            _take_turn(turns, turn + end, CID, PINGPONG)
             mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
             o_tok = warpgroup_mma(p_prev, v_ring.index(last), o_acc, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(v_free.index(last))
-            turn += count + 1
+            if OWN_BLOCKS and HAS_LEFT:  # blocks left of its rows' window
+                for it in range(end, count):
+                    _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it + 1,
+                               STAGES, CID, PINGPONG)
+            if not OWN_BLOCKS:
+                turn += count + 1
+        if OWN_BLOCKS:
+            if count > 0:
+                if end == lead:  # (every block skipped: one more turn, so both take count + 1)
+                    _take_turn(turns, turn + count, CID, PINGPONG)
+                    _pass_turn(turns, CID, PINGPONG)
+                turn += count + 1
         kv_base += count
 
         # A row that saw no key: output 0, lse = -inf (never NaN).
@@ -292,7 +371,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
-                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr):
+                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
+                  OWN_BLOCKS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -338,7 +418,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
+                          OWN_BLOCKS)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -346,7 +427,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
+                          OWN_BLOCKS)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -354,7 +436,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
+                          OWN_BLOCKS)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -371,7 +454,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
+                          OWN_BLOCKS)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -379,7 +463,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS)),
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
+                          OWN_BLOCKS)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -431,7 +516,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
-            cfg.q_regs]
+            cfg.q_regs, cfg.own_blocks]
     return grid, args
 
 
