@@ -75,6 +75,13 @@ class HopperFwdConfig:
     # / 602.1 -> 599.6, seed 256 681.2 -> 677.1 / 647.8 -> 644.6 (a 128-row tile skips at
     # most one 64-key block per consumer): not there (off compiles to the kernels before).
     own_blocks: bool = False
+    # (Measured and removed in session 18: the last, partial round of an unmasked launch's
+    # tiles split along the keys into 2-4 pieces, fp32 parts summed by a combine kernel,
+    # ``tail_pieces``, from the count of rounds alone: the seed's 2304 tiles on 132 SMs end
+    # after 17.5 rounds instead of 18. Five interleaved rounds, TFLOPS off -> on: seed 670.9
+    # -> 659.4, 2x8192x16x128 625.3 -> 617.9 (probes/fwd-rounds-tail_pieces-564e333+.json):
+    # CTAs finish at staggered times, so the last round is not the idle block that the count
+    # of rounds suggests, and the pieces' restarts and the combine cost more than it leaves.)
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
