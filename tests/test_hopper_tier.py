@@ -241,6 +241,24 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_bwd_dq_lag(d, mask, shape, monkeypatch):
+    """``dq_lag`` (the in-kernel dQ of each query block added one block later, four dS^T
+    slots, a zero block first; built in session 18, not dispatched) against the fp32
+    reference: GQA groups (the block before a head's first is the last of the head
+    before), key tiles no query block visits (777 x 2048, left window), a single block."""
+    import dataclasses
+    from triflash.kernels import configs
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_lag=True))
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

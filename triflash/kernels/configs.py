@@ -178,6 +178,12 @@ class HopperBwdConfig:
     # the last 4 in quarters). 1: never; 0: where tail_pieces says it pays; P > 1: every
     # shape, P pieces (tests).
     tail_split: int = 1
+    # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued one block later
+    # (three dS^T slots, the first step's dQ that of a zero block), so that a warpgroup
+    # waits for the other's dS^T of the block before, not of this one: the two warpgroups
+    # are no longer held in step at every block (their exponentials at the same time, the
+    # tensor cores idle). Built in session 18 on the CPU (compile-checked), not yet run.
+    dq_lag: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

@@ -155,10 +155,13 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               tma_batch, head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2,
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr):
+              ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr,
+              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
-    returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ. ``k_buf`` /
-    ``v_buf``: the S^T / dP^T wgmmas' A operands, shared tiles or registers (``REG_A``)."""
+    returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
+    ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
+    ``m_max`` - 1, of the head before). ``k_buf``
+    / ``v_buf``: the S^T / dP^T wgmmas' A operands, shared tiles or registers (``REG_A``)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -219,17 +222,28 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
     ds = to_16bit(p * dp, dtype, PACKED_CVT)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
-        # dS^T to this warpgroup's tile of shared slot it & 1, for both warpgroups' dQ
-        # wgmmas (``ds_bars`` 0 / 1: the slot written by both). A warpgroup writes slot
-        # it & 1 only after both arrived for block it - 1, which each does after its dQ
-        # wgmmas of block it - 2 (the last reads of the slot) have retired.
-        slot = it & 1
+        if DQ_LAG:
+            # Four slots, block it in slot (it + 1) % 4 (slot 0 holds the zeros of a block
+            # before the first, ``_dq_lag_start``). Once both warpgroups wrote block it - 1,
+            # each has finished block it - 2 and with it the dQ wgmmas of block it - 3, the
+            # last reads of the slot written here (three slots would do; four index by bits).
+            mbarrier.wait(ds_bars.index(it & 3), (it >> 2) & 1)
+            slot = (it + 1) & 3
+        else:
+            # dS^T to this warpgroup's tile of shared slot it & 1, for both warpgroups' dQ
+            # wgmmas (``ds_bars`` 0 / 1: the slot written by both). A warpgroup writes slot
+            # it & 1 only after both arrived for block it - 1, which each does after its dQ
+            # wgmmas of block it - 2 (the last reads of the slot) have retired.
+            slot = it & 1
         ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
     if ATOMIC_DQ:
-        dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
+        if DQ_LAG:  # block it - 1's dQ: both of its dS^T tiles are written (waited above)
+            dq_tok = _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
+        else:
+            dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
         dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
     else:
         dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
@@ -238,8 +252,33 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     mbarrier.arrive(free.index(stage))
     if ATOMIC_DQ:
         dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
+        if DQ_LAG:
+            if it > 0:  # (the first step's is the zero block's)
+                first = (m == m_min).to(gl.int32)
+                _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
+        else:
+            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
     return dk, dv
+
+
+@gluon.jit
+def _dq_lag_start(ds_bufs, ds_bars, KR: gl.constexpr, BM: gl.constexpr, layout: gl.constexpr,
+                  C: gl.constexpr):
+    """``DQ_LAG``: a block before the first whose dS^T is zero, in slot 0 (its dQ, computed
+    in the first step, is not added anywhere)."""
+    ds_bufs.index(C).store(gl.zeros([KR, BM], ds_bufs.dtype, layout))
+    fence_async_shared()
+    mbarrier.arrive(ds_bars.index(0))
+
+
+@gluon.jit
+def _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_buf, dq_desc, tma_batch, steps, prev_m, prev_head,
+                BM: gl.constexpr, C: gl.constexpr):
+    """``DQ_LAG``: the dQ of the CTA's last block (``steps`` blocks in all; in slot steps % 4)."""
+    mbarrier.wait(ds_bars.index(steps & 3), (steps >> 2) & 1)
+    dq = warpgroup_mma_wait(0, deps=(_dq_wgmmas(ds_bufs, k_bufs, steps & 3, BM, C),))
+    if steps > 0:
+        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, prev_m, prev_head, C)
 
 
 @gluon.jit
@@ -247,9 +286,15 @@ def _dq_issue(ds_bufs, k_bufs, ds_bars, dslot, duse, BM: gl.constexpr, C: gl.con
     """Once both warpgroups' dS^T of ``dslot`` (its use ``duse``) are written: the async
     wgmmas of dQ_m[:, C-th column half] = dS K[:, half] over the CTA's 128 keys, one per
     warpgroup's 64 keys (A = the transposed view of its dS^T tile)."""
+    mbarrier.wait(ds_bars.index(dslot), duse & 1)
+    return _dq_wgmmas(ds_bufs, k_bufs, dslot, BM, C)
+
+
+@gluon.jit
+def _dq_wgmmas(ds_bufs, k_bufs, dslot, BM: gl.constexpr, C: gl.constexpr):
+    """The two async wgmmas of ``_dq_issue`` (both dS^T tiles of ``dslot`` written)."""
     D: gl.constexpr = k_bufs.shape[2]
     DQN: gl.constexpr = D // 2
-    mbarrier.wait(ds_bars.index(dslot), duse & 1)
     tok = warpgroup_mma(ds_bufs.index(2 * dslot).permute((1, 0)), k_bufs.index(0).slice(C * DQN, DQN, dim=1),
                         gl.zeros([BM, DQN], gl.float32, _acc_layout(DQN, k_bufs.dtype)), use_acc=False,
                         is_async=True)
@@ -320,7 +365,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
-                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr):
+                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -347,24 +392,43 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     k_a = a_operand(k_buf, REG_A > 0, s_layout)
     v_a = a_operand(v_buf, REG_A > 1, s_layout)
     count = m_max - m_min
-    for g in range(group):
-        head = head_kv * group + g
-        base = g * count - m_min  # ring slot counter of query block m is base + m
-        # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
-        # top edge (window left edge); a key block reaching past len_k is masked throughout.
-        bounds = (m_min, m_full_min, m_full_max, m_max)
-        for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
-            for m in range(bounds[seg], bounds[seg + 1]):
-                dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
-                                   q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
-                                   dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
-                                   qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT)
+    if DQ_LAG:
+        # each step adds the dQ of the block before (see _bwd_step): slot 0 starts as zeros
+        _dq_lag_start(ds_bufs, ds_bars, KR, BM, s_layout, C)
+        for g in range(group):
+            head = head_kv * group + g
+            base = g * count - m_min
+            bounds = (m_min, m_full_min, m_full_max, m_max)
+            for seg in gl.static_range(3):
+                for m in range(bounds[seg], bounds[seg + 1]):
+                    dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
+                                       q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
+                                       dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
+                                       qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
+                                       STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
+                                       m_min, m_max, True)
+        _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
+                    m_max - 1, head_kv * group + group - 1, BM, C)
+    else:
+        for g in range(group):
+            head = head_kv * group + g
+            base = g * count - m_min  # ring slot counter of query block m is base + m
+            # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
+            # top edge (window left edge); a key block reaching past len_k is masked throughout.
+            bounds = (m_min, m_full_min, m_full_max, m_max)
+            for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
+                for m in range(bounds[seg], bounds[seg + 1]):
+                    dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
+                                       q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
+                                       dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
+                                       qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
+                                       STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT)
     if ATOMIC_DQ:
         # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
         # epilogue overwrites: both arrive (count 2) once theirs have retired.
-        mbarrier.arrive(ds_bars.index(2))
-        mbarrier.wait(ds_bars.index(2), 0)
+        DS_SLOTS: gl.constexpr = 4 if DQ_LAG else 2
+        mbarrier.arrive(ds_bars.index(DS_SLOTS))
+        mbarrier.wait(ds_bars.index(DS_SLOTS), 0)
         tma.store_wait(0)
 
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
@@ -416,7 +480,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       PACKED_CVT: gl.constexpr, REG_A: gl.constexpr,
-                      n_full, nb, DKV_PART, SPLIT: gl.constexpr):
+                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -454,18 +518,20 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BM, DV], do_layout)
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
+    DS_SLOTS: gl.constexpr = 4 if DQ_LAG else 2
     if ATOMIC_DQ:
-        # dS^T double-buffered per warpgroup ([slot, warpgroup]), dQ staging per warpgroup
-        ds_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, KR, BM], ds_layout)
+        # dS^T double-buffered per warpgroup ([slot, warpgroup]; DQ_LAG: four slots), dQ
+        # staging per warpgroup
+        ds_bufs = gl.allocate_shared_memory(dtype, [DS_SLOTS * NUM_CONSUMERS, KR, BM], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BM, D // 2],
                                             gl.NVMMASharedLayout.get_default_for([BM, D // 2], gl.float32))
     else:
         ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)  # unused
         dq_bufs = ds_bufs
-    # ds_bars (both warpgroups arrive): 0 / 1 dS^T of a slot written, 2 the loop's end
-    ds_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    # ds_bars (both warpgroups arrive): 0 / 1 (/ 2 / 3) dS^T of a slot written, then the loop's end
+    ds_bars = gl.allocate_shared_memory(gl.int64, [DS_SLOTS + 1, 1], mbarrier.MBarrierLayout())
     if ATOMIC_DQ:
-        for i in gl.static_range(3):
+        for i in gl.static_range(DS_SLOTS + 1):
             mbarrier.init(ds_bars.index(i), count=NUM_CONSUMERS)
     kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, NUM_CONSUMERS)
 
@@ -477,7 +543,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -485,7 +551,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -558,7 +624,8 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt,  # .., HEAD_DIM, PACKED_CVT
             cfg.reg_a_for(params.softcap),
-            n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces]  # .., n_full, nb, DKV_PART, SPLIT
+            n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
+            cfg.dq_lag and atomic_dq]  # DQ_LAG
 
 
 def stats(pb, out, dout, lse):

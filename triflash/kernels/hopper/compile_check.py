@@ -138,6 +138,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     pb, (q, k, v, do, _, dk, dv), stat, delta, p = _backward(headdim, dtype, feature, varlen)
     row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
+    if cfg.dq_lag and atomic_dq:
+        row["dq_lag"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
@@ -228,7 +230,8 @@ def all_variants():
     register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
     ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
-    left to the MUFU."""
+    left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
+    (``dq_lag``)."""
     import dataclasses
 
     from .. import configs
@@ -246,6 +249,11 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False),
                              packed_cvt=False))
+    for d in (64, 128):  # the in-kernel dQ one block later (dq_lag)
+        c = configs.SM90_HOPPER_BWD[d]
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
+                             packed_cvt=c.packed_cvt))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
