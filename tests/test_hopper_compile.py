@@ -259,6 +259,8 @@ def test_tile_variants_compile_for_sm90a():
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     assert {r["feature"] for r in rows if r.get("timeline")} == {"plain", "causal"}
     assert {r["feature"] for r in rows if r.get("reg_a") == 0} == {"plain", "causal"}
+    assert {(r["headdim"], r["feature"]) for r in rows if r.get("rescale_early")} == {
+        (d, f) for d in (128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_lag")} == {
         (d, f) for d in (64, 128) for f in ("plain", "causal")}
     for r in rows:

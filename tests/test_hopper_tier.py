@@ -241,6 +241,37 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [128, 192, 256])
+def test_hopper_fwd_rescale_early(d, mask, shape, monkeypatch):
+    """``rescale_early`` (O rescaled by the previous block's factor before P V is issued;
+    built in session 18, not dispatched) against the fp32 reference, dense (one CTA per
+    tile and persistent walks) and varlen."""
+    import dataclasses
+    from triflash.kernels import configs
+    from triflash.kernels.hopper.common import kernel_head_dim
+    w = kernel_head_dim(d)
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], rescale_early=True))
+    sq, sk, h, hk = shape
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    _check_hopper_forward(q, k, v, mask)
+    causal, window, softcap = MASKS[mask]
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+    with triflash.force_backend("hopper"):
+        out, lse = triflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
+                                                   sq, sk, causal=causal, window_size=window, softcap=softcap,
+                                                   return_attn_probs=True)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_forward_matches(out.view(2, sq, h, d), lse.view(h, 2, sq).transpose(0, 1), ref, lse_ref, pt, softcap)
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -82,6 +82,12 @@ class HopperFwdConfig:
     # -> 659.4, 2x8192x16x128 625.3 -> 617.9 (probes/fwd-rounds-tail_pieces-564e333+.json):
     # CTAs finish at staggered times, so the last round is not the idle block that the count
     # of rounds suggests, and the pieces' restarts and the combine cost more than it leaves.)
+    # O rescaled by the previous block's factor while the block's S = Q K^T wgmma runs, just
+    # before O += P V is issued (FA3's order at head dims above 128), instead of after the P V
+    # wgmma retires and before the next block's S is issued (where the 64 x 256 multiply at
+    # 256 sits between this warpgroup's wgmmas). Built in session 18 on the CPU
+    # (compile-checked), not yet run.
+    rescale_early: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
