@@ -165,20 +165,13 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [96, 128])
-def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
-    """The forward's ``q_regs`` (Q as the S wgmmas' A operand from registers instead of
-    shared memory; dispatched at 128 since session 15) changes where Q is read, not the
-    products: out and lse keep the bits of the tile without it. Dense tiles of every walk
-    (one CTA per tile, persistent, scheduled under masks) and a varlen batch."""
-    import dataclasses
-    from triflash.kernels import configs
+def _fwd_dense_and_varlen(d, mask, shape, seed):
+    """(q, k, v, run): fresh bf16 inputs (batch 2, ``shape`` = (sq, sk, heads, kv heads)) and
+    run() -> (out, lse, out varlen, lse varlen) of the Hopper forward under ``mask``, the
+    batch dense and as a varlen batch of its two sequences (varlen lse is (heads, 2 * sq))."""
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
-    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
@@ -191,6 +184,21 @@ def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
             varlen = triflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                                      cu_q, cu_k, sq, sk, **kw)
             return (*dense, *varlen)
+    return q, k, v, run
+
+
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [96, 128])
+def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
+    """The forward's ``q_regs`` (Q as the S wgmmas' A operand from registers instead of
+    shared memory; dispatched at 128 since session 15) changes where Q is read, not the
+    products: out and lse keep the bits of the tile without it. Dense tiles of every walk
+    (one CTA per tile, persistent, scheduled under masks) and a varlen batch."""
+    import dataclasses
+    from triflash.kernels import configs
+    _, _, _, run = _fwd_dense_and_varlen(d, mask, shape, d + shape[0])
     cfg = configs.SM90_HOPPER_FWD[128]
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, 128, dataclasses.replace(cfg, q_regs=False))
     plain = run()
@@ -214,21 +222,8 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
     CTA (1000 x 16 heads); dense and varlen."""
     import dataclasses
     from triflash.kernels import configs
-    sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
-    g = torch.Generator(device="cuda").manual_seed(sq)
-    q = torch.randn(2, sq, h, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(2, sk, hk, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
-    kw = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
-
-    def run():
-        with triflash.force_backend("hopper"):
-            dense = triflash.flash_attn_func(q, k, v, **kw)
-            varlen = triflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                                     cu_q, cu_k, sq, sk, **kw)
-            return (*dense, *varlen)
+    softcap = MASKS[mask][2]
+    _, _, _, run = _fwd_dense_and_varlen(64, mask, shape, shape[0])
     cfg = configs.SM90_HOPPER_FWD[64]
     assert cfg.own_blocks
     dispatched = run()
@@ -255,21 +250,15 @@ def test_hopper_fwd_rescale_early(d, mask, shape, monkeypatch):
     w = kernel_head_dim(d)
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], rescale_early=True))
     sq, sk, h, hk = shape
-    g = torch.Generator(device="cuda").manual_seed(d + sq)
-    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    _check_hopper_forward(q, k, v, mask)
     causal, window, softcap = MASKS[mask]
-    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
-    with triflash.force_backend("hopper"):
-        out, lse = triflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
-                                                   sq, sk, causal=causal, window_size=window, softcap=softcap,
-                                                   return_attn_probs=True)
+    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq)
+    out, lse, out_varlen, lse_varlen = run()
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     ref, lse_ref = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    assert_forward_matches(out.view(2, sq, h, d), lse.view(h, 2, sq).transpose(0, 1), ref, lse_ref, pt, softcap)
+    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
+    assert_forward_matches(out_varlen.view(2, sq, h, d), lse_varlen.view(h, 2, sq).transpose(0, 1), ref, lse_ref,
+                           pt, softcap)
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],

@@ -392,37 +392,25 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     k_a = a_operand(k_buf, REG_A > 0, s_layout)
     v_a = a_operand(v_buf, REG_A > 1, s_layout)
     count = m_max - m_min
-    if DQ_LAG:
-        # each step adds the dQ of the block before (see _bwd_step): slot 0 starts as zeros
+    if DQ_LAG:  # each step adds the dQ of the block before (_bwd_step): slot 0 starts as zeros
         _dq_lag_start(ds_bufs, ds_bars, KR, BM, s_layout, C)
-        for g in range(group):
-            head = head_kv * group + g
-            base = g * count - m_min
-            bounds = (m_min, m_full_min, m_full_max, m_max)
-            for seg in gl.static_range(3):
-                for m in range(bounds[seg], bounds[seg + 1]):
-                    dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
-                                       q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
-                                       dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
-                                       qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-                                       STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
-                                       m_min, m_max, True)
+    for g in range(group):
+        head = head_kv * group + g
+        base = g * count - m_min  # ring slot counter of query block m is base + m
+        # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
+        # top edge (window left edge); a key block reaching past len_k is masked throughout.
+        bounds = (m_min, m_full_min, m_full_max, m_max)
+        for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
+            for m in range(bounds[seg], bounds[seg + 1]):
+                dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
+                                   q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
+                                   dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
+                                   qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
+                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
+                                   m_min, m_max, DQ_LAG)
+    if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
-    else:
-        for g in range(group):
-            head = head_kv * group + g
-            base = g * count - m_min  # ring slot counter of query block m is base + m
-            # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
-            # top edge (window left edge); a key block reaching past len_k is masked throughout.
-            bounds = (m_min, m_full_min, m_full_max, m_max)
-            for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
-                for m in range(bounds[seg], bounds[seg + 1]):
-                    dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
-                                       q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
-                                       dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
-                                       qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-                                       STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT)
     if ATOMIC_DQ:
         # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
         # epilogue overwrites: both arrive (count 2) once theirs have retired.

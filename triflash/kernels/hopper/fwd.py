@@ -206,8 +206,8 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
     registers (``Q_REGS``). ``RESCALE_EARLY``: O is rescaled by the previous block's
     ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
-    order at head dims above 128), instead of after that wgmma retires; the block's alpha
-    is returned as a fifth value for the next step."""
+    order at head dims above 128), instead of after that wgmma retires. The block's alpha
+    is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
@@ -232,13 +232,10 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
                                          MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
-    if RESCALE_EARLY:
-        p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
-        return o_acc, m_i, l_i, p_prev, alpha
-    else:
+    if not RESCALE_EARLY:
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
-        return o_acc, m_i, l_i, p_prev
+    p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
+    return o_acc, m_i, l_i, p_prev, alpha
 
 
 @gluon.jit
@@ -327,19 +324,12 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             bounds = (lead + 1, r1, r2, end)
             for seg in gl.static_range(3):
                 for it in range(bounds[seg], bounds[seg + 1]):
-                    if RESCALE_EARLY:
-                        o_acc, m_i, l_i, p_prev, alpha = _fwd_step(
-                            kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
-                            v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                            qk_scale, softcap_log2, window_left, window_right,
-                            BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                            alpha, True)
-                    else:
-                        o_acc, m_i, l_i, p_prev = _fwd_step(
-                            kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
-                            v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                            qk_scale, softcap_log2, window_left, window_right,
-                            BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT)
+                    o_acc, m_i, l_i, p_prev, alpha = _fwd_step(
+                        kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
+                        v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                        qk_scale, softcap_log2, window_left, window_right,
+                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
+                        alpha, RESCALE_EARLY)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
