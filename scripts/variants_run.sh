@@ -8,6 +8,7 @@
 # (all six take ~10 minutes: two device calls, e.g. STEPS="tests bwd256 fixed", then
 # STEPS="bwd128 bwd64 fwd")
 set -u
+# (COMMIT: a plain name; the device brings back no file with "+" in its name)
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-variants-out}"; mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # (the default steps bring back 7 files; bwd64 adds 2, fixed 1: the device returns 8 at most,
@@ -30,11 +31,11 @@ BV="${BWD_VARIANTS:-;reg_a=0}"
 has bwd256 && step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
 has bwd128 && step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
-  --cases 2x8192x16x128 --variants "${BWD128_VARIANTS:-;reg_a=1}" --out "$OUT_DIR" --tag="-$COMMIT"
+  --cases "${BWD128_CASES:-2x8192x16x128}" --variants "${BWD128_VARIANTS:-;reg_a=1}" --out "$OUT_DIR" --tag="-$COMMIT"
 has bwd64 && step bwd64 "${T_BWD64:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 64 --rounds 5 \
-  --cases 2x8192x32x64 --variants "${BWD64_VARIANTS:-;reg_a=1;reg_a=2}" --out "$OUT_DIR" --tag="-$COMMIT"
+  --cases "${BWD64_CASES:-2x8192x32x64}" --variants "${BWD64_VARIANTS:-;reg_a=1;reg_a=2}" --out "$OUT_DIR" --tag="-$COMMIT"
 has fwd && step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
-  --cases 2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128 --variants "${FWD_VARIANTS:-;q_regs=1}" \
+  --cases "${FWD_CASES:-2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128}" --variants "${FWD_VARIANTS:-;q_regs=1}" \
   --out "$OUT_DIR" --tag="-$COMMIT"
 # the dK/dV kernel's per-CTA fixed cost (docs/hopper-tier.md section 7 item 1)
 # (its log to stdout only: with its JSON that makes the 8th file)

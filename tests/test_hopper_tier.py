@@ -239,11 +239,11 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [128, 192, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_hopper_fwd_rescale_early(d, mask, shape, monkeypatch):
     """``rescale_early`` (O rescaled by the previous block's factor before P V is issued;
-    built in session 18, not dispatched) against the fp32 reference, dense (one CTA per
-    tile and persistent walks) and varlen."""
+    dispatched at 64 and 128 since session 19, and 192 / 256 with it on) against the fp32
+    reference, dense (one CTA per tile and persistent walks) and varlen."""
     import dataclasses
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import kernel_head_dim
@@ -267,8 +267,8 @@ def test_hopper_fwd_rescale_early(d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_bwd_dq_lag(d, mask, shape, monkeypatch):
     """``dq_lag`` (the in-kernel dQ of each query block added one block later, four dS^T
-    slots, a zero block first; built in session 18, not dispatched) against the fp32
-    reference: GQA groups (the block before a head's first is the last of the head
+    slots, a zero block first; dispatched at 64 since session 19, 128 with it on) against
+    the fp32 reference: GQA groups (the block before a head's first is the last of the head
     before), key tiles no query block visits (777 x 2048, left window), a single block."""
     import dataclasses
     from triflash.kernels import configs

@@ -85,8 +85,11 @@ class HopperFwdConfig:
     # O rescaled by the previous block's factor while the block's S = Q K^T wgmma runs, just
     # before O += P V is issued (FA3's order at head dims above 128), instead of after the P V
     # wgmma retires and before the next block's S is issued (where the 64 x 256 multiply at
-    # 256 sits between this warpgroup's wgmmas). Built in session 18 on the CPU
-    # (compile-checked), not yet run.
+    # 256 sits between this warpgroup's wgmmas). Measured (session 19, five interleaved
+    # rounds beside cuDNN, probes/probe-rounds-23cee87.json, TFLOPS off -> on): 64
+    # 2x8192x32 509.1 -> 512.5 / 478.6 -> 485.6, 128 2x8192x16 627.5 -> 634.3 / 586.3 ->
+    # 603.2, 16x1024x16 549.9 -> 556.8 / 411.2 -> 416.9: dispatched at 64 and 128; 256 seed
+    # 671.4 -> 674.1 / 650.2 -> 644.8: not there.
     rescale_early: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
@@ -185,10 +188,13 @@ class HopperBwdConfig:
     # shape, P pieces (tests).
     tail_split: int = 1
     # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued one block later
-    # (three dS^T slots, the first step's dQ that of a zero block), so that a warpgroup
+    # (four dS^T slots, the first step's dQ that of a zero block), so that a warpgroup
     # waits for the other's dS^T of the block before, not of this one: the two warpgroups
     # are no longer held in step at every block (their exponentials at the same time, the
-    # tensor cores idle). Built in session 18 on the CPU (compile-checked), not yet run.
+    # tensor cores idle). Measured (session 19, five interleaved rounds beside cuDNN,
+    # probes/bwd-probe-rounds-d{64,128}-23cee87.json, TFLOPS off -> on): 64 2x8192x32
+    # 434.7 -> 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6): dispatched at 64; 128
+    # 2x8192x16 534.4 -> 522.1 / 498.9 -> 478.2 (its spills, 88 / 500 B): not there.
     dq_lag: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
@@ -275,9 +281,10 @@ SM90_BWD = {
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
-                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True),
+                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
+                        rescale_early=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2, q_regs=True),
+                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True),
 }
 
@@ -296,7 +303,7 @@ SM90_HOPPER_FWD = {
 # separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
-                        tail_split=0),
+                        tail_split=0, dq_lag=True),
     128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ

@@ -230,8 +230,9 @@ def all_variants():
     register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
     ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
-    left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
-    (``dq_lag``) and the 128 / 256 forward rescaling O before P V (``rescale_early``)."""
+    left to the MUFU. Also the 128 dK/dV kernel with its dQ one block later (``dq_lag``,
+    dispatched at 64) and the 256 forward rescaling O before P V (``rescale_early``,
+    dispatched at 64 and 128)."""
     import dataclasses
 
     from .. import configs
@@ -249,12 +250,12 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False),
                              packed_cvt=False))
-    for d in (128, 256):  # O rescaled before P V is issued (rescale_early)
+    for d in (256,):  # O rescaled before P V is issued (rescale_early; dispatched at 64, 128)
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_FWD[d],
                                                                                 rescale_early=True)),
                              packed_cvt=configs.SM90_HOPPER_FWD[d].packed_cvt, rescale_early=True))
-    for d in (64, 128):  # the in-kernel dQ one block later (dq_lag)
+    for d in (128,):  # the in-kernel dQ one block later (dq_lag; dispatched at 64)
         c = configs.SM90_HOPPER_BWD[d]
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
