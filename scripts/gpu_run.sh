@@ -4,7 +4,10 @@
 #   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags
 #   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes); BENCH_ROUNDS:
 #   interleaved timing rounds per case (default 3, the median kept); TEST_WORKERS: pytest
-#   workers for the tests (default 12)
+#   workers for the tests (default 12); SHARD=i/n: the i-th of n shards of the tests (tests/
+#   conftest.py; the whole suite, ~620 s at f985c04, passes one call's limit: SHARD=1/2 and
+#   SHARD=2/2 in two calls); RESUME=path: a partial h200.json of the same commit whose cases
+#   the benchmark keeps instead of measuring again (each case's rows come from one process)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png} (PARTS=headdims:
 # headdims.json, headdims.png, bench-headdims.txt: --preset headdims).
 # The two parts take ~260-535 s each (tests at be2df44: 651 in 263 s with 12 workers, 430 s
@@ -29,6 +32,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS="${PARTS:-tests bench}"
 # 1. GPU tests: the same files as CI, sizes scaled up when CUDA is present (-v: each test's
 #    worker and outcome, so a CUDA fault that poisons a worker can be traced to its test).
+[[ -n "${SHARD:-}" ]] && export TRIFLASH_TEST_SHARD="$SHARD"
 [[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-560}" python3 -m pytest tests -n "${TEST_WORKERS:-12}" -p no:cacheprovider \
   -m "not sm90" -p no:logging --tb=short -v --ignore=tests/test_bench_cpu.py > "$OUT_DIR/gpu-tests.txt" 2>&1
 [[ " $PARTS " == *" tests "* ]] && tail -n 30 "$OUT_DIR/gpu-tests.txt"
@@ -37,7 +41,7 @@ PARTS="${PARTS:-tests bench}"
 [[ " $PARTS " == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-560}" python3 -m triflash.bench --preset h200 --commit "$COMMIT" \
   --impls "${IMPLS:-triflash,triflash-portable,triflash-varlen,triflash-deterministic,sdpa-cudnn,sdpa-flash,flex,fa2,fa3,fa4}" ${BENCH_ARGS:-} \
   --only-seqlens flex=8192 --only-seqlens triflash-portable=8192 --only-seqlens triflash-varlen=8192 \
-  --only-seqlens triflash-deterministic=8192 --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" --out "$OUT_DIR/h200.json" --plot "$OUT_DIR/h200.png" 2>&1 \
+  --only-seqlens triflash-deterministic=8192 ${RESUME:+--resume "$RESUME"} --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" --out "$OUT_DIR/h200.json" --plot "$OUT_DIR/h200.png" 2>&1 \
   | tee "$OUT_DIR/bench-full.txt" | tail -n 80 | tee "$OUT_DIR/bench.txt"
 
 # 3. Every tuned head dim at 2 x 8192 (~215 s with FA4): PARTS=headdims, a call of its own.

@@ -22,6 +22,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``TRIFLASH_TEST_SHARD=i/n`` (1 <= i <= n): keep the i-th of n shards, each test's shard
+    fixed by a hash of its id, so that n calls (a device call's time limit) run the suite
+    once between them (scripts/gpu_run.sh SHARD=i/n)."""
+    spec = os.environ.get("TRIFLASH_TEST_SHARD", "")
+    if not spec:
+        return
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        if not 1 <= i <= n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"TRIFLASH_TEST_SHARD={spec!r}: expected i/n with 1 <= i <= n") from None
+    import zlib
+    keep, drop = [], []
+    for item in items:
+        (keep if zlib.crc32(item.nodeid.encode()) % n == i - 1 else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _poison_outputs():
     """Every kernel output starts as NaN, so an element a kernel forgets to write fails."""

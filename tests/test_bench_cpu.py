@@ -109,12 +109,12 @@ def test_json_written_after_each_case(tmp_path, monkeypatch):
     seen = []
     original = bench_main.run_cases
 
-    def run_cases_then_stop(cases, impls, args, device, skipped, on_case=None):
+    def run_cases_then_stop(cases, impls, args, device, skipped, on_case=None, done=None):
         def record(rows):
             on_case(rows)
             seen.append(json.loads(out.read_text()))
             raise KeyboardInterrupt  # the time limit, after the first case
-        return original(cases, impls, args, device, skipped, on_case=record)
+        return original(cases, impls, args, device, skipped, on_case=record, done=done)
 
     monkeypatch.setattr(bench_main, "run_cases", run_cases_then_stop)
     with pytest.raises(KeyboardInterrupt):
@@ -122,6 +122,34 @@ def test_json_written_after_each_case(tmp_path, monkeypatch):
               "--impls", "triflash"])
     assert len(seen) == 1 and seen[0]["meta"]["complete"] is False
     assert seen[0]["results"] and all(r["impl"] == "triflash" for r in seen[0]["results"])
+
+
+def test_resume_keeps_finished_cases(tmp_path):
+    """--resume: the cases of a partial file of the same commit are kept row for row, the
+    others measured, the file complete; another commit's file is refused."""
+    import gzip
+    from triflash.bench.report import case_label
+    args = ["--device", "cpu", "--preset", "cpu", "--seqlens", "64", "--impls", "triflash", "--commit", "abc1234"]
+    full = tmp_path / "full.json"
+    assert main([*args, "--out", str(full)]) == 0
+    rows = json.loads(full.read_text())
+    labels = list(dict.fromkeys(case_label(r) for r in rows["results"]))
+    assert len(labels) >= 2
+    # a partial file: the first case only, its times made up so that keeping them shows
+    first = [dict(r, ms=123.0) for r in rows["results"] if case_label(r) == labels[0]]
+    partial = tmp_path / "partial.json.gz"
+    with gzip.open(partial, "wt") as f:
+        json.dump({"meta": dict(rows["meta"], complete=False), "results": first}, f)
+    out = tmp_path / "resumed.json"
+    assert main([*args, "--out", str(out), "--resume", str(partial)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["complete"] is True and len(data["meta"]["resumed"]["cases_kept"]) == 1
+    assert [r for r in data["results"] if case_label(r) == labels[0]] == first
+    rest = [r for r in data["results"] if case_label(r) != labels[0]]
+    assert {case_label(r) for r in rest} == set(labels[1:])
+    assert all(r["ms"] != 123.0 and r["passed"] for r in rest if r["ms"] is not None)
+    with pytest.raises(SystemExit, match="commit"):
+        main([*args[:-1], "fff0000", "--out", str(tmp_path / "x.json"), "--resume", str(partial)])
 
 
 def test_rounds_interleave_and_take_the_median(tmp_path):

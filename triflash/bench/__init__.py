@@ -52,8 +52,11 @@ JSON schema (``--out``, default ``bench-results.json``)::
                    "fwd_autograd": bool,    # false with --inference-fwd (fwd under no_grad)
                    "isolated": [str]},      # impls measured in worker processes (--isolate)
         "tflops_convention": str,
-        "complete": bool        # false while the run is in progress: the file is rewritten
+        "complete": bool,       # false while the run is in progress: the file is rewritten
                                 # after every case, so a run cut short keeps what it measured
+        "resumed": {"from": str, "date": str, "cases_kept": [str]}
+                                # only with --resume: the partial file (same commit, preset and
+                                # GPU) whose cases were kept, each case's rows from one process
       },
       "results": [
         {

@@ -1,6 +1,7 @@
 """``python -m triflash.bench`` / ``triflash-bench``: the command line. See the package
 docstring (triflash/bench/__init__.py) for usage and the JSON schema."""
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,10 @@ def parse_args(argv):
     o.add_argument("--plot", help="PNG path (default: the JSON path with .png)")
     o.add_argument("--no-plot", action="store_true")
     o.add_argument("--commit", help="commit to record when the copy is not a git checkout")
+    o.add_argument("--resume", metavar="JSON", help=(
+        "a partial results file (.json or .json.gz) of the same commit and preset, e.g. one "
+        "a time limit stopped: its cases are kept, not measured again (each case's rows, "
+        "hence every ratio, still come from one process); the rest are measured"))
     o.add_argument("--list", action="store_true", help="print the cases and exit")
     return p.parse_args(argv)
 
@@ -204,8 +209,33 @@ def _derive(rows, case):
         rows["bwd"]["bwd_fwd_ratio"] = rows["bwd"]["ms"] / rows["fwd"]["ms"]
 
 
-def run_cases(cases, impls, args, device, skipped, on_case=None):
-    """Measure everything; returns the result rows. ``on_case(results)`` runs after each case."""
+def load_resume(path, commit, preset, gpu):
+    """The result rows and date of a partial results file of ``commit`` (or a prefix of it),
+    ``preset`` and ``gpu``."""
+    import gzip
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        data = json.load(f)
+    meta = data.get("meta", {})
+    for key, want in (("commit", commit), ("preset", preset), ("gpu", gpu)):
+        have = meta.get(key)
+        same = (have and want and (have.startswith(want) or want.startswith(have))) if key == "commit" \
+            else have == want
+        if not same:
+            raise SystemExit(f"--resume {path}: its {key} is {have!r}, this run's is {want!r}; "
+                             "a run resumes only its own commit, preset and GPU")
+    return data.get("results", []), meta.get("date")
+
+
+def case_key(fields):
+    """A case's identity in result rows: its fields (shape, mask, dtype), nothing measured."""
+    keys = C.Case.__dataclass_fields__
+    return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if k in keys},
+                      sort_keys=True)
+
+
+def run_cases(cases, impls, args, device, skipped, on_case=None, done=None):
+    """Measure everything; returns the result rows. ``on_case(results)`` runs after each case;
+    ``done``: rows by case label that are kept instead of measured (``--resume``)."""
     import torch
     from .runner import free_memory, make_inputs, reference, retime, run_impl
     timing = dict(warmup=args.warmup, rep=args.rep, cpu_reps=args.cpu_reps)
@@ -219,6 +249,13 @@ def run_cases(cases, impls, args, device, skipped, on_case=None):
     results = []
     progress = Progress(len(cases) * len(impls))
     for case in cases:
+        if done and case_key(case.fields()) in done:
+            for impl in impls:
+                progress.step(f"{case.label()} {impl.name} (kept)")
+            results += done[case_key(case.fields())]
+            if on_case is not None:
+                on_case(results)
+            continue
         x = make_inputs(case, device, args.seed)
         ref = None if args.no_check else reference(case, x, need_grad, budget)
         case_rows = []
@@ -317,21 +354,34 @@ def main(argv=None):
     print(f"{len(cases)} cases x {len(args.modes)} modes x {len(impls)} impls "
           f"({', '.join(i.name for i in impls)}) on {device}, preset {preset}", flush=True)
     versions = {i.name: i.version() for i in impls if i.version()}
+    done, resumed = {}, None
+    if args.resume:
+        now = report.collect_meta(device, args.commit)
+        rows, date = load_resume(args.resume, now["commit"], preset, now["gpu"])
+        wanted = {case_key(c.fields()): c.label() for c in cases}
+        for row in rows:
+            if case_key(row) in wanted:
+                done.setdefault(case_key(row), []).append(row)
+        resumed = {"from": os.path.basename(args.resume), "date": date,
+                   "cases_kept": [wanted[k] for k in wanted if k in done]}
+        print(f"--resume: {len(done)} of {len(cases)} cases kept from {args.resume} ({date})", flush=True)
 
     def meta(complete):
+        extra = {"resumed": resumed} if resumed else {}
         return dict(report.collect_meta(device, args.commit, peers_skipped=skipped, preset=preset,
                                         interpreter=interp, impl_versions=versions,
                                         timing={"warmup_ms": args.warmup, "rep_ms": args.rep,
                                                 "return_mode": "median", "rounds": args.rounds,
                                                 "fwd_autograd": not args.inference_fwd,
                                                 "isolated": sorted(i.name for i in impls
-                                                                   if isinstance(i, Isolated))}),
+                                                                   if isinstance(i, Isolated))},
+                                        **extra),
                     complete=complete)
 
     # rewritten after every case: a run stopped by a time limit keeps what it measured
     try:
         results = run_cases(cases, impls, args, device, skipped,
-                            on_case=lambda rows: report.write_json(args.out, meta(False), rows))
+                            on_case=lambda rows: report.write_json(args.out, meta(False), rows), done=done)
     finally:
         for impl in impls:
             if isinstance(impl, Isolated):

@@ -1,0 +1,35 @@
+"""TRIFLASH_TEST_SHARD=i/n (tests/conftest.py): n shards run every test once between them."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _collect(shard):
+    env = dict(os.environ, TRIFLASH_TEST_SHARD=shard) if shard else {
+        k: v for k, v in os.environ.items() if k != "TRIFLASH_TEST_SHARD"}
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "tests/test_validation.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    return p.returncode, {line for line in p.stdout.splitlines() if "::" in line}, p.stdout + p.stderr
+
+
+def test_shards_partition_the_suite():
+    rc, every, out = _collect("")
+    assert rc == 0 and len(every) > 10, out
+    parts = []
+    for i in (1, 2, 3):
+        rc, ids, out = _collect(f"{i}/3")
+        assert rc == 0, out
+        parts.append(ids)
+    assert set().union(*parts) == every
+    assert sum(map(len, parts)) == len(every) and all(parts)
+
+
+@pytest.mark.parametrize("bad", ["0/2", "3/2", "x"])
+def test_bad_shard_is_refused(bad):
+    rc, _, out = _collect(bad)
+    assert rc != 0 and "TRIFLASH_TEST_SHARD" in out
