@@ -112,6 +112,11 @@ HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
 # where it spills nothing: the test above holds it to the atomic budgets), bf16: 128 plain 88 B (none inside the query-block loops, SASS), causal 500 B (some
 # in them: 12-15 spill instructions per masked block of one warpgroup).
 HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 512}
+# The warpgroups taking turns at whole dQ row blocks (dq_alt, session 19, not dispatched),
+# bf16: 64 spills nothing; at 128 the 64 x 128 fp32 dQ accumulator next to dK and dV: plain
+# 424 B, causal 512 B (1-4 spill loads per query block in the loops, the rest around them),
+# window + softcap 1072 B.
+HOPPER_BWD_DQ_ALT_SPILL_BUDGET = {("plain", 128): 448, ("causal", 128): 576}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries (24 B).
 HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32}
@@ -271,10 +276,15 @@ def test_tile_variants_compile_for_sm90a():
         (256, f) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_lag")} == {
         (128, f) for f in ("plain", "causal")}
+    assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_alt")} == {
+        (d, f) for d in (64, 128) for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
+        elif r.get("dq_alt"):
+            assert r["tma_reduce"] > 0, r
+            budget = HOPPER_BWD_DQ_ALT_SPILL_BUDGET
         elif r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
         elif r["kernel"] == "hopper_dq":

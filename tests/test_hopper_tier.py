@@ -279,6 +279,26 @@ def test_hopper_bwd_dq_lag(d, mask, shape, monkeypatch):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_bwd_dq_alt(d, mask, shape, monkeypatch):
+    """``dq_alt`` (the warpgroups take turns computing each query block's whole dQ row block,
+    the reader of a dS^T slot releasing it to the other; built in session 19, not
+    dispatched) against the fp32 reference: GQA groups (the turns run on across a group's
+    heads), key tiles no query block visits (777 x 2048, left window), an odd count of
+    blocks, a single block."""
+    import dataclasses
+    from triflash.kernels import configs
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_alt=True,
+                                                                          dq_lag=False))
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -196,6 +196,16 @@ class HopperBwdConfig:
     # 434.7 -> 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6): dispatched at 64; 128
     # 2x8192x16 534.4 -> 522.1 / 498.9 -> 478.2 (its spills, 88 / 500 B): not there.
     dq_lag: bool = False
+    # With the in-kernel dQ (atomic_dq, not with dq_lag): the warpgroups take turns, query
+    # block by query block, computing the block's whole dQ row block (64 x D over the CTA's
+    # keys: A = both dS^T tiles, B = both whole K tiles, one 64 x D fp32 reduce-add) instead
+    # of each computing a 64 x D/2 column half every block. The dS^T tiles are read once per
+    # block instead of twice: at 128 a block pair's dQ moves 48 KB through shared memory
+    # instead of 64 KB (of ~336 KB; the kernel is bound by shared-memory traffic, docs/
+    # hopper-tier.md section 7 item 1). The dQ warpgroup of a slot tells the other when it
+    # has read it (two more barriers); the staging tiles grow to 64 x D fp32 each (230848 B
+    # of shared memory at 128). Built in session 19 on the CPU (compile-checked), not yet run.
+    dq_alt: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

@@ -140,6 +140,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if cfg.dq_lag and atomic_dq:
         row["dq_lag"] = True
+    if cfg.dq_alt and atomic_dq and not cfg.dq_lag:
+        row["dq_alt"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
@@ -232,7 +234,8 @@ def all_variants():
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 128 dK/dV kernel with its dQ one block later (``dq_lag``,
     dispatched at 64) and the 256 forward rescaling O before P V (``rescale_early``,
-    dispatched at 64 and 128)."""
+    dispatched at 64 and 128); the 64 / 128 dK/dV kernel with the warpgroups taking turns
+    at whole dQ row blocks (``dq_alt``)."""
     import dataclasses
 
     from .. import configs
@@ -260,6 +263,10 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
                              packed_cvt=c.packed_cvt))
+    for d in (64, 128):  # the whole dQ row block by the warpgroups in turn (dq_alt)
+        c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_alt=True, dq_lag=False)
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=c), packed_cvt=c.packed_cvt))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
