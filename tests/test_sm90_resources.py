@@ -103,7 +103,11 @@ ptxas info    : Function properties for flash_fwd_kernel
 ptxas info    : Used 255 registers, used 1 barriers, 16 bytes smem, 8 bytes cumulative stack size
 """
     assert R.parse_ptxas_log(log) == dict(registers=255, spill_stores=4, spill_loads=12,
-                                          stack=8, static_shared=16)
+                                          stack=8, static_shared=16, wgmma_serialized=False)
+    serialized = log.replace("ptxas info    : Compiling", (
+        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to insufficient register resources for the function 'k'\nptxas info    : Compiling"))
+    assert R.parse_ptxas_log(serialized)["wgmma_serialized"] is True
     with pytest.raises(ValueError):
         R.parse_ptxas_log("ptxas info    : 11 bytes gmem\n")
 

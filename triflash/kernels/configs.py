@@ -203,7 +203,7 @@ class HopperBwdConfig:
     # block instead of twice: at 128 a block pair's dQ moves 48 KB through shared memory
     # instead of 64 KB (of ~336 KB; the kernel is bound by shared-memory traffic, docs/
     # hopper-tier.md section 7 item 1). The dQ warpgroup of a slot tells the other when it
-    # has read it (two more barriers); the staging tiles grow to 64 x D fp32 each (230848 B
+    # has read it (two more barriers); the staging tiles grow to 64 x D fp32 each (230864 B
     # of shared memory at 128). Built in session 19 on the CPU (compile-checked), not yet run.
     dq_alt: bool = False
     consumer_regs: int = 240

@@ -524,6 +524,10 @@ def parse_ptxas_log(log: str) -> dict:
         out[key] = int(m[0])
     smem = _RE_SMEM.findall(log)
     out["static_shared"] = int(smem[0]) if smem else 0
+    # ptxas's "(C7512) Potential Performance Loss: wgmma.mma_async instructions are
+    # serialized due to ..." (register resources, or other reasons): every wgmma then waits
+    # for the one before it, which no spill count shows
+    out["wgmma_serialized"] = "wgmma.mma_async instructions are serialized" in log
     return out
 
 

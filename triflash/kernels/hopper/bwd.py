@@ -250,9 +250,11 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
     if ATOMIC_DQ and DQ_ALT:
         if slot == C:  # this block's dQ is this warpgroup's
-            dq_tok = _dq_issue_alt(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM)
-            dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))
+            # (the dQ wgmmas after dV / dK retire: issued before, the 64 x D accumulator next
+            # to theirs and P / dS^T at 128 makes ptxas serialize every wgmma, C7512)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
             mbarrier.arrive(free.index(stage))
+            dq_tok = _dq_issue_alt(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM)
             dq = warpgroup_mma_wait(0, deps=(dq_tok,))
             mbarrier.arrive(ds_bars.index(3 + slot))
             _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, 0)

@@ -45,6 +45,7 @@ def _compile(kernel, args) -> dict:
     info = sm90_report.parse_ptxas_log(sm90_report._run_ptxas(ptx, compiled.metadata))
     return dict(shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
                 registers=info["registers"], spill_bytes=info["spill_stores"] + info["spill_loads"],
+                wgmma_serialized=info["wgmma_serialized"],
                 setmaxnreg="setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx,
                 has_wgmma="wgmma.mma_async" in ptx, has_tma="cp.async.bulk.tensor" in ptx,
                 atomics=ptx.count("red.global") + ptx.count("atom.global"),
