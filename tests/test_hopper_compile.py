@@ -280,6 +280,8 @@ def test_tile_variants_compile_for_sm90a():
         (128, f) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_alt")} == {
         (d, f) for d in (64, 128) for f in ("plain", "causal")}
+    assert {(r["headdim"], r["feature"]) for r in rows if r.get("kv_release_once")} == {
+        (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):

@@ -261,6 +261,30 @@ def test_hopper_fwd_rescale_early(d, mask, shape, monkeypatch):
                            pt, softcap)
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_fwd_kv_release_once(d, mask, shape, monkeypatch):
+    """``kv_release_once`` (one release per K / V ring slot, after its P V; built in session
+    19, not dispatched) against the fp32 reference, dense (one CTA per tile and persistent
+    walks, the 64 tile's skipped blocks) and varlen."""
+    import dataclasses
+    from triflash.kernels import configs
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d],
+                                                                          kv_release_once=True))
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq + 1)
+    out, lse, out_varlen, lse_varlen = run()
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
+    assert_forward_matches(out_varlen.view(2, sq, h, d), lse_varlen.view(h, 2, sq).transpose(0, 1), ref, lse_ref,
+                           pt, softcap)
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -91,6 +91,14 @@ class HopperFwdConfig:
     # 603.2, 16x1024x16 549.9 -> 556.8 / 411.2 -> 416.9: dispatched at 64 and 128; 256 seed
     # 671.4 -> 674.1 / 650.2 -> 644.8: not there.
     rescale_early: bool = False
+    # One release per ring slot: a consumer arrives only on the slot's V barrier, after its
+    # P V wgmma retires, and the loader reloads K and V of the slot after that, instead of
+    # releasing K as soon as S = Q K^T retires. Every Gluon mbarrier.arrive costs the
+    # warpgroup a bar.sync (Triton's barrier pass treats it as touching all shared memory;
+    # docs/hopper-tier.md section 7 item 4), so this is one bar.sync fewer per key block and
+    # consumer; the K slot is held one step longer, which three stages (head dim 64) can
+    # absorb. Built in session 19 on the CPU (compile-checked), not yet run.
+    kv_release_once: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False

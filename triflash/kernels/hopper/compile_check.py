@@ -236,7 +236,8 @@ def all_variants():
     left to the MUFU. Also the 128 dK/dV kernel with its dQ one block later (``dq_lag``,
     dispatched at 64) and the 256 forward rescaling O before P V (``rescale_early``,
     dispatched at 64 and 128); the 64 / 128 dK/dV kernel with the warpgroups taking turns
-    at whole dQ row blocks (``dq_alt``)."""
+    at whole dQ row blocks (``dq_alt``); the forward with one release per K / V ring slot
+    (``kv_release_once``)."""
     import dataclasses
 
     from .. import configs
@@ -264,6 +265,10 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
                              packed_cvt=c.packed_cvt))
+    for d in (64, 128, 256):  # one release per K / V ring slot (kv_release_once)
+        c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], kv_release_once=True)
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, kv_release_once=True))
     for d in (64, 128):  # the whole dQ row block by the warpgroups in turn (dq_alt)
         c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_alt=True, dq_lag=False)
         for f in ("plain", "causal"):

@@ -179,7 +179,7 @@ def _own_blocks(row_start, len_q, len_k, window_left, window_right, n_min, n_ful
 
 @gluon.jit
 def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.constexpr, CID: gl.constexpr,
-               PINGPONG: gl.constexpr):
+               PINGPONG: gl.constexpr, KV_ONCE: gl.constexpr = False):
     """A key block none of this consumer's rows sees: its turn is taken and passed, its ring
     slot waited for (an arrival must not count toward the slot's previous phase) and
     released."""
@@ -188,7 +188,8 @@ def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.cons
     _take_turn(turns, turn, CID, PINGPONG)
     _pass_turn(turns, CID, PINGPONG)
     mbarrier.wait(k_ready.index(stage), phase)
-    mbarrier.arrive(k_free.index(stage))
+    if not KV_ONCE:
+        mbarrier.arrive(k_free.index(stage))
     mbarrier.wait(v_ready.index(stage), phase)
     mbarrier.arrive(v_free.index(stage))
 
@@ -200,14 +201,15 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
-              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False):
+              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False, KV_ONCE: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
     registers (``Q_REGS``). ``RESCALE_EARLY``: O is rescaled by the previous block's
     ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
     order at head dims above 128), instead of after that wgmma retires. The block's alpha
-    is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
+    is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``). ``KV_ONCE``:
+    no K release here; the V release of the slot frees both (``HopperFwdConfig.kv_release_once``)."""
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
@@ -225,7 +227,8 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
     _pass_turn(turns, CID, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
-    mbarrier.arrive(k_free.index(stage))
+    if not KV_ONCE:
+        mbarrier.arrive(k_free.index(stage))
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
@@ -249,7 +252,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr):
+                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, KV_ONCE: gl.constexpr = False):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -289,7 +292,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for it in range(0, lead):
                 _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it, STAGES, CID,
-                           PINGPONG)
+                           PINGPONG, KV_ONCE)
         else:  # the tile's range for every consumer
             lead: gl.constexpr = 0
             end = count
@@ -308,7 +311,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                                   use_acc=False, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
-            mbarrier.arrive(k_free.index(stage))
+            if not KV_ONCE:
+                mbarrier.arrive(k_free.index(stage))
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
@@ -329,7 +333,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY)
+                        alpha, RESCALE_EARLY, KV_ONCE)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -344,7 +348,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             if OWN_BLOCKS and HAS_LEFT:  # blocks left of its rows' window
                 for it in range(end, count):
                     _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it + 1,
-                               STAGES, CID, PINGPONG)
+                               STAGES, CID, PINGPONG, KV_ONCE)
             if not OWN_BLOCKS:
                 turn += count + 1
         if OWN_BLOCKS:
@@ -382,7 +386,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr):
+                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, KV_ONCE: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -416,6 +420,11 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     for i in gl.static_range(2):
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0))  # consumer 0 issues first
+    # KV_ONCE: the loader waits for a slot's V release before reloading its K too
+    if KV_ONCE:
+        k_release = v_free
+    else:
+        k_release = k_free
 
     # (Gluon takes each partition's arguments spelled out: a shared tuple would turn the
     # constexprs into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
@@ -429,7 +438,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, KV_ONCE)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -438,7 +447,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, KV_ONCE)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -447,9 +456,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, KV_ONCE)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
-                        k_ready, v_ready, k_free, v_free,
+                        k_ready, v_ready, k_release, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                         total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
@@ -465,7 +474,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, KV_ONCE)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -474,9 +483,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, KV_ONCE)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
-                        k_ready, v_ready, k_free, v_free,
+                        k_ready, v_ready, k_release, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                         total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
@@ -526,7 +535,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
-            cfg.q_regs, cfg.own_blocks, cfg.rescale_early]
+            cfg.q_regs, cfg.own_blocks, cfg.rescale_early, cfg.kv_release_once]
     return grid, args
 
 
