@@ -236,22 +236,27 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
             assert torch.equal(a, b), name
 
 
+# Forward options not dispatched (HopperFwdConfig): ``rescale_early`` (O rescaled by the
+# previous block's factor before P V is issued, measured faster at 64 / 128 in session 19)
+# and ``kv_release_once`` (one release per K / V ring slot, after its P V; session 19).
+FWD_OPTIONS = [("rescale_early", d) for d in (64, 128, 192, 256)] + [("kv_release_once", d) for d in (64, 128, 256)]
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [64, 128, 192, 256])
-def test_hopper_fwd_rescale_early(d, mask, shape, monkeypatch):
-    """``rescale_early`` (O rescaled by the previous block's factor before P V is issued;
-    dispatched at 64 and 128 since session 19, and 192 / 256 with it on) against the fp32
-    reference, dense (one CTA per tile and persistent walks) and varlen."""
+@pytest.mark.parametrize("option,d", FWD_OPTIONS, ids=lambda x: str(x))
+def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
+    """A forward option (``FWD_OPTIONS``) on, against the fp32 reference: dense (one CTA per
+    tile and persistent walks, the 64 tile's skipped blocks) and varlen."""
     import dataclasses
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import kernel_head_dim
     w = kernel_head_dim(d)
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], rescale_early=True))
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], **{option: True}))
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
-    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq)
+    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq + (option == "kv_release_once"))
     out, lse, out_varlen, lse_varlen = run()
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     ref, lse_ref = attention_ref(q, k, v, **kw)
@@ -261,62 +266,27 @@ def test_hopper_fwd_rescale_early(d, mask, shape, monkeypatch):
                            pt, softcap)
 
 
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_hopper_fwd_kv_release_once(d, mask, shape, monkeypatch):
-    """``kv_release_once`` (one release per K / V ring slot, after its P V; built in session
-    19, not dispatched) against the fp32 reference, dense (one CTA per tile and persistent
-    walks, the 64 tile's skipped blocks) and varlen."""
-    import dataclasses
-    from triflash.kernels import configs
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d],
-                                                                          kv_release_once=True))
-    sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
-    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq + 1)
-    out, lse, out_varlen, lse_varlen = run()
-    kw = dict(causal=causal, window_size=window, softcap=softcap)
-    ref, lse_ref = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
-    assert_forward_matches(out_varlen.view(2, sq, h, d), lse_varlen.view(h, 2, sq).transpose(0, 1), ref, lse_ref,
-                           pt, softcap)
+# Backward options of the in-kernel dQ, not dispatched (HopperBwdConfig): ``dq_lag`` (each
+# query block's dQ added one block later, four dS^T slots, a zero block first; measured
+# faster at 64 in session 19) and ``dq_alt`` (the warpgroups take turns at whole dQ row
+# blocks, a slot's reader releasing it to the other; session 19).
+BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "dq_alt": dict(dq_alt=True, dq_lag=False)}
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d", [64, 128])
-def test_hopper_bwd_dq_lag(d, mask, shape, monkeypatch):
-    """``dq_lag`` (the in-kernel dQ of each query block added one block later, four dS^T
-    slots, a zero block first; dispatched at 64 since session 19, 128 with it on) against
-    the fp32 reference: GQA groups (the block before a head's first is the last of the head
-    before), key tiles no query block visits (777 x 2048, left window), a single block."""
+@pytest.mark.parametrize("option", list(BWD_DQ_OPTIONS))
+def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
+    """A dQ option (``BWD_DQ_OPTIONS``) on, against the fp32 reference: GQA / MQA groups (the
+    block before a head's first is the last of the head before; the turns run on across a
+    group's heads), key tiles no query block visits (777 x 2048, left window), an odd count
+    of blocks, a single block."""
     import dataclasses
     from triflash.kernels import configs
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_lag=True))
-    sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
-    with triflash.force_backend("hopper"):
-        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
-
-
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [64, 128])
-def test_hopper_bwd_dq_alt(d, mask, shape, monkeypatch):
-    """``dq_alt`` (the warpgroups take turns computing each query block's whole dQ row block,
-    the reader of a dS^T slot releasing it to the other; built in session 19, not
-    dispatched) against the fp32 reference: GQA groups (the turns run on across a group's
-    heads), key tiles no query block visits (777 x 2048, left window), an odd count of
-    blocks, a single block."""
-    import dataclasses
-    from triflash.kernels import configs
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_alt=True,
-                                                                          dq_lag=False))
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d],
+                                                                          **BWD_DQ_OPTIONS[option]))
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
     with triflash.force_backend("hopper"):

@@ -88,8 +88,9 @@ class HopperFwdConfig:
     # 256 sits between this warpgroup's wgmmas). Measured (session 19, five interleaved
     # rounds beside cuDNN, probes/probe-rounds-23cee87.json, TFLOPS off -> on): 64
     # 2x8192x32 509.1 -> 512.5 / 478.6 -> 485.6, 128 2x8192x16 627.5 -> 634.3 / 586.3 ->
-    # 603.2, 16x1024x16 549.9 -> 556.8 / 411.2 -> 416.9: dispatched at 64 and 128; 256 seed
-    # 671.4 -> 674.1 / 650.2 -> 644.8: not there.
+    # 603.2, 16x1024x16 549.9 -> 556.8 / 411.2 -> 416.9; 256 seed 671.4 -> 674.1 / 650.2 ->
+    # 644.8. Dispatched at 64 and 128 at f985c04, whose GPU suite and benchmark the device
+    # calls' limits cut short (NOTES.md f985c04): off again until both run whole on it.
     rescale_early: bool = False
     # One release per ring slot: a consumer arrives only on the slot's V barrier, after its
     # P V wgmma retires, and the loader reloads K and V of the slot after that, instead of
@@ -201,8 +202,8 @@ class HopperBwdConfig:
     # are no longer held in step at every block (their exponentials at the same time, the
     # tensor cores idle). Measured (session 19, five interleaved rounds beside cuDNN,
     # probes/bwd-probe-rounds-d{64,128}-23cee87.json, TFLOPS off -> on): 64 2x8192x32
-    # 434.7 -> 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6): dispatched at 64; 128
-    # 2x8192x16 534.4 -> 522.1 / 498.9 -> 478.2 (its spills, 88 / 500 B): not there.
+    # 434.7 -> 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6); 128 2x8192x16 534.4 -> 522.1
+    # / 498.9 -> 478.2. Dispatched at 64 at f985c04, off again like rescale_early.
     dq_lag: bool = False
     # With the in-kernel dQ (atomic_dq, not with dq_lag): the warpgroups take turns, query
     # block by query block, computing the block's whole dQ row block (64 x D over the CTA's
@@ -299,10 +300,9 @@ SM90_BWD = {
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
-                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True),
+                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
+                         persistent_masked=True, q_slots=2, q_regs=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True),
 }
 
@@ -321,7 +321,7 @@ SM90_HOPPER_FWD = {
 # separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
-                        tail_split=0, dq_lag=True),
+                        tail_split=0),
     128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ

@@ -172,6 +172,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     o_layout: gl.constexpr = _acc_layout(D, dtype)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    DS_READ: gl.constexpr = 3  # DQ_ALT: ds_bars 3 / 4, slot 0 / 1 read (after 0 / 1 written, 2 the end)
 
     stage = it % STAGES
     phase = (it // STAGES) & 1
@@ -237,7 +238,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
             # passes the first use).
             slot = it & 1
             if slot != C:
-                mbarrier.wait(ds_bars.index(3 + slot), ((it >> 1) & 1) ^ 1)
+                mbarrier.wait(ds_bars.index(DS_READ + slot), ((it >> 1) & 1) ^ 1)
         else:
             # dS^T to this warpgroup's tile of shared slot it & 1, for both warpgroups' dQ
             # wgmmas (``ds_bars`` 0 / 1: the slot written by both). A warpgroup writes slot
@@ -256,7 +257,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
             mbarrier.arrive(free.index(stage))
             dq_tok = _dq_issue_alt(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM)
             dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-            mbarrier.arrive(ds_bars.index(3 + slot))
+            mbarrier.arrive(ds_bars.index(DS_READ + slot))
             _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, 0)
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))

@@ -233,9 +233,8 @@ def all_variants():
     register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
     ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
-    left to the MUFU. Also the 128 dK/dV kernel with its dQ one block later (``dq_lag``,
-    dispatched at 64) and the 256 forward rescaling O before P V (``rescale_early``,
-    dispatched at 64 and 128); the 64 / 128 dK/dV kernel with the warpgroups taking turns
+    left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
+    (``dq_lag``) and the forward rescaling O before P V (``rescale_early``); the 64 / 128 dK/dV kernel with the warpgroups taking turns
     at whole dQ row blocks (``dq_alt``); the forward with one release per K / V ring slot
     (``kv_release_once``)."""
     import dataclasses
@@ -255,12 +254,12 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False),
                              packed_cvt=False))
-    for d in (256,):  # O rescaled before P V is issued (rescale_early; dispatched at 64, 128)
+    for d in (64, 128, 256):  # O rescaled before P V is issued (rescale_early)
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_FWD[d],
                                                                                 rescale_early=True)),
                              packed_cvt=configs.SM90_HOPPER_FWD[d].packed_cvt, rescale_early=True))
-    for d in (128,):  # the in-kernel dQ one block later (dq_lag; dispatched at 64)
+    for d in (64, 128):  # the in-kernel dQ one block later (dq_lag)
         c = configs.SM90_HOPPER_BWD[d]
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
