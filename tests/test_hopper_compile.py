@@ -97,7 +97,11 @@ HOPPER_BWD_SPILL_BUDGET = {
 # 9878a6e: plain 104 B, causal 96 B, window + softcap 636 B, almost all of it outside the
 # query-block loop (prologue stores, epilogue loads). It ran 1.10x / 1.15x the separate-dQ
 # backward (benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json).
+# At 64 with the dQ one block later (dq_lag, dispatched in session 20): plain and causal
+# spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
+# to the window bounds and the tanh terms).
 HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
+    ("window-softcap", 64): 64,
     ("plain", 128): 128,
     ("causal", 128): 128,
     ("window-softcap", 128): 704,
@@ -107,16 +111,16 @@ HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
 # 4 pieces ran 1.4% and 6% faster than without the split in interleaved rounds,
 # benchmarks/results/probes/bwd-probe-rounds-d64-split-*.json).
 HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
-# The in-kernel dQ one block later (dq_lag, session 18, not dispatched), bf16: 64 spills
+# The in-kernel dQ one block later (dq_lag, session 18, dispatched at 64), bf16: 64 spills
 # nothing (window + softcap 56 B); 128 plain 88 B (none inside the query-block loops,
 # SASS), causal 500 B (some in them: 12-15 spill instructions per masked block of one
 # warpgroup).
 HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 512}
-# The warpgroups taking turns at whole dQ row blocks (dq_alt, session 19, not dispatched),
+# The warpgroups taking turns at whole dQ row blocks (dq_alt, session 19, not dispatched: slower),
 # bf16: 64 spills nothing; at 128 the 64 x 128 fp32 dQ accumulator next to dK and dV: plain
 # 408 B, causal 500 B (none in the query-block loops), window + softcap 1096 B.
 HOPPER_BWD_DQ_ALT_SPILL_BUDGET = {("plain", 128): 448, ("causal", 128): 576}
-# The forward with O rescaled before P V is issued (rescale_early, not dispatched), bf16: at
+# The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
@@ -160,7 +164,11 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # Since each consumer keeps its own key-block range (own_blocks, dispatched at 64 in session
 # 18) none of them spills (bf16 and fp16; dense, varlen, the KV-cache form, packed_cvt off):
 # the sizes above (plain 648 B, causal 32 / 336 B, varlen causal 404 B) are history.
-HOPPER_FWD_3WG_SPILL_BUDGET = {}
+# With O rescaled before P V is issued (rescale_early, dispatched at 64 in session 20) the
+# unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
+# (bf16); measured with those spills, +0.7% / +1.5% non-causal / causal in five interleaved
+# rounds (configs.HopperFwdConfig.rescale_early).
+HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
 
 

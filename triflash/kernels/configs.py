@@ -89,8 +89,8 @@ class HopperFwdConfig:
     # rounds beside cuDNN, probes/probe-rounds-23cee87.json, TFLOPS off -> on): 64
     # 2x8192x32 509.1 -> 512.5 / 478.6 -> 485.6, 128 2x8192x16 627.5 -> 634.3 / 586.3 ->
     # 603.2, 16x1024x16 549.9 -> 556.8 / 411.2 -> 416.9; 256 seed 671.4 -> 674.1 / 650.2 ->
-    # 644.8. Dispatched at 64 and 128 at f985c04, whose GPU suite and benchmark the device
-    # calls' limits cut short (NOTES.md f985c04): off again until both run whole on it.
+    # 644.8. Dispatched at 64 and 128 (session 20: again 515.1 -> 513.1 / 483.6 -> 488.1 at
+    # 64, 622.5 -> 634.7 / 584.0 -> 606.2 at 128, probes/probe-rounds-ac47225.json).
     rescale_early: bool = False
     # One release per ring slot: a consumer arrives only on the slot's V barrier, after its
     # P V wgmma retires, and the loader reloads K and V of the slot after that, instead of
@@ -98,7 +98,10 @@ class HopperFwdConfig:
     # warpgroup a bar.sync (Triton's barrier pass treats it as touching all shared memory;
     # docs/hopper-tier.md section 7 item 4), so this is one bar.sync fewer per key block and
     # consumer; the K slot is held one step longer, which three stages (head dim 64) can
-    # absorb. Built in session 19 on the CPU (compile-checked), not yet run.
+    # absorb. Measured (session 20, five interleaved rounds, probes/probe-rounds-ac47225.json,
+    # TFLOPS off -> on): 64 515.1 -> 520.9 / 483.6 -> 487.7 (within the rounds' spread), 128
+    # 622.5 -> 571.9 / 584.0 -> 542.9, 256 670.6 -> 504.8 / 638.5 -> 524.3 (the K slot held
+    # until P V retires starves two-stage rings): not dispatched.
     kv_release_once: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
@@ -203,7 +206,8 @@ class HopperBwdConfig:
     # tensor cores idle). Measured (session 19, five interleaved rounds beside cuDNN,
     # probes/bwd-probe-rounds-d{64,128}-23cee87.json, TFLOPS off -> on): 64 2x8192x32
     # 434.7 -> 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6); 128 2x8192x16 534.4 -> 522.1
-    # / 498.9 -> 478.2. Dispatched at 64 at f985c04, off again like rescale_early.
+    # / 498.9 -> 478.2. Dispatched at 64 (session 20: 434.1 -> 451.7 / 410.7 -> 435.5,
+    # probes/bwd-probe-rounds-d64-ac47225.json).
     dq_lag: bool = False
     # With the in-kernel dQ (atomic_dq, not with dq_lag): the warpgroups take turns, query
     # block by query block, computing the block's whole dQ row block (64 x D over the CTA's
@@ -213,7 +217,10 @@ class HopperBwdConfig:
     # instead of 64 KB (of ~336 KB; the kernel is bound by shared-memory traffic, docs/
     # hopper-tier.md section 7 item 1). The dQ warpgroup of a slot tells the other when it
     # has read it (two more barriers); the staging tiles grow to 64 x D fp32 each (230864 B
-    # of shared memory at 128). Built in session 19 on the CPU (compile-checked), not yet run.
+    # of shared memory at 128). Measured (session 20, five interleaved rounds, probes/
+    # bwd-probe-rounds-d{64,128}-ac47225.json, TFLOPS off -> on): 128 541.2 -> 525.0 / 503.6
+    # -> 487.9 (its 408 / 500 B of spills); 64 434.1 -> 450.6 / 410.7 -> 420.3, below dq_lag's
+    # 451.7 / 435.5: not dispatched.
     dq_alt: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
@@ -300,9 +307,10 @@ SM90_BWD = {
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
-                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True),
+                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
+                        rescale_early=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2, q_regs=True),
+                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True),
 }
 
@@ -321,7 +329,7 @@ SM90_HOPPER_FWD = {
 # separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
-                        tail_split=0),
+                        tail_split=0, dq_lag=True),
     128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
