@@ -120,6 +120,13 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 512}
 # bf16: 64 spills nothing; at 128 the 64 x 128 fp32 dQ accumulator next to dK and dV: plain
 # 408 B, causal 500 B (none in the query-block loops), window + softcap 1096 B.
 HOPPER_BWD_DQ_ALT_SPILL_BUDGET = {("plain", 128): 448, ("causal", 128): 576}
+# S^T issued before dP^T, both zero-initialized, P formed while dP^T runs (s_first, session
+# 20, not dispatched), bf16, the dK/dV kernel: 64 spills nothing; 128 plain 264 B (none in the query-block
+# loops, SASS), causal 348 B (one or two reloads per block in the first warpgroup's loops).
+HOPPER_BWD_S_FIRST_SPILL_BUDGET = {("plain", 128): 320, ("causal", 128): 384}
+# The same in the dQ kernel (64 / 128: none, as without it; 256 causal 8 B, window +
+# softcap 60 B against 24 B).
+HOPPER_DQ_S_FIRST_SPILL_BUDGET = {("causal", 256): 16, ("window-softcap", 256): 64}
 # The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
@@ -287,9 +294,14 @@ def test_tile_variants_compile_for_sm90a():
         (d, f) for d in (64, 128) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("kv_release_once")} == {
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
+    assert {(r["kernel"], r["headdim"], r["feature"]) for r in rows if r.get("s_first")} == {
+        (k, d, f) for k, dims in (("hopper_bwd", (64, 128)), ("hopper_dq", (128, 256)))
+        for d in dims for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
-        if r.get("dq_lag"):
+        if r.get("s_first"):
+            budget = HOPPER_DQ_S_FIRST_SPILL_BUDGET if r["kernel"] == "hopper_dq" else HOPPER_BWD_S_FIRST_SPILL_BUDGET
+        elif r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
         elif r.get("dq_alt"):
             assert r["tma_reduce"] > 0, r

@@ -269,17 +269,19 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 # Backward options of the in-kernel dQ, not dispatched (HopperBwdConfig): ``dq_lag`` (each
 # query block's dQ added one block later, four dS^T slots, a zero block first; measured
 # faster at 64 in session 19) and ``dq_alt`` (the warpgroups take turns at whole dQ row
-# blocks, a slot's reader releasing it to the other; session 19).
-BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "dq_alt": dict(dq_alt=True, dq_lag=False)}
+# blocks, a slot's reader releasing it to the other; session 19); and ``s_first`` (S^T
+# issued before dP^T, Delta subtracted after; session 20), which the separate dQ kernel
+# (deterministic=True at 64 / 128, always at 256) takes too.
+BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "dq_alt": dict(dq_alt=True, dq_lag=False),
+                  "s_first": dict(s_first=True)}
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("option", list(BWD_DQ_OPTIONS))
+@pytest.mark.parametrize("option,d", [(o, d) for o in BWD_DQ_OPTIONS for d in (64, 128)] + [("s_first", 256)])
 def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
-    """A dQ option (``BWD_DQ_OPTIONS``) on, against the fp32 reference: GQA / MQA groups (the
+    """A backward option (``BWD_DQ_OPTIONS``) on, against the fp32 reference: GQA / MQA groups (the
     block before a head's first is the last of the head before; the turns run on across a
     group's heads), key tiles no query block visits (777 x 2048, left window), an odd count
     of blocks, a single block."""
@@ -291,6 +293,9 @@ def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
     causal, window, softcap = MASKS[mask]
     with triflash.force_backend("hopper"):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
+        if option == "s_first":
+            check_attention(2, sq, sk, h, hk, d, torch.float16, causal, window, softcap, deterministic=True,
+                            seed=1)
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],

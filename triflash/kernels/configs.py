@@ -222,6 +222,19 @@ class HopperBwdConfig:
     # -> 487.9 (its 408 / 500 B of spills); 64 434.1 -> 450.6 / 410.7 -> 420.3, below dq_lag's
     # 451.7 / 435.5: not dispatched.
     dq_alt: bool = False
+    # S^T issued before dP^T, both zero-initialized, and one wait for S^T alone: each
+    # warpgroup forms P (exponentials, mask, conversion) while the tensor cores compute its
+    # dP^T, and subtracts Delta from dP^T afterwards (one add per element) instead of
+    # starting dP^T's accumulator at -Delta. Today dP^T goes first (ptxas serializes a wgmma
+    # whose initial accumulator is written while another is in flight, C7517) and one wait
+    # covers both, so P waits for dP^T; with the two warpgroups in step (both wait for each
+    # other's dS^T every block) the tensor cores idle while both form P. FA4's sm90 backward
+    # orders them this way (S, dP, wait for S, P, wait for dP). Not with softcap in the
+    # dK/dV kernel (dP^T after P there already). The Gluon dQ kernel (hopper/bwd_dq.py: 256,
+    # and deterministic / varlen at 64 / 128) takes the same order for S and dP. Built in
+    # session 20 on the CPU (compile-checked: 128 dK/dV kernel spills 264 / 348 B, none in
+    # the query-block loops without a mask), not yet run.
+    s_first: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 

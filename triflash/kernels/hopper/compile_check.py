@@ -143,6 +143,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         row["dq_lag"] = True
     if cfg.dq_alt and atomic_dq and not cfg.dq_lag:
         row["dq_alt"] = True
+    if cfg.s_first:
+        row["s_first"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
@@ -161,16 +163,19 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, packed_cvt: bool = False) -> dict:
+               varlen: bool = False, packed_cvt: bool = False, s_first: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring; ``varlen``: packed sequences."""
+    ``stages``-deep ring; ``varlen``: packed sequences; ``s_first``: S issued before dP."""
     from . import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt,
+                            s_first=s_first)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
                block_n=block_n, stages=stages)
     if varlen:
         row["varlen"] = True
+    if s_first:
+        row["s_first"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
 
 
@@ -235,8 +240,8 @@ def all_variants():
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
     (``dq_lag``) and the forward rescaling O before P V (``rescale_early``); the 64 / 128 dK/dV kernel with the warpgroups taking turns
-    at whole dQ row blocks (``dq_alt``); the forward with one release per K / V ring slot
-    (``kv_release_once``)."""
+    at whole dQ row blocks (``dq_alt``), and with S^T issued before dP^T (``s_first``); the
+    forward with one release per K / V ring slot (``kv_release_once``)."""
     import dataclasses
 
     from .. import configs
@@ -272,6 +277,15 @@ def all_variants():
         c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_alt=True, dq_lag=False)
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=c), packed_cvt=c.packed_cvt))
+    for d in (64, 128):  # S^T before dP^T, P formed while dP^T runs (s_first)
+        c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], s_first=True)
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=c), packed_cvt=c.packed_cvt))
+    for d in (128, 256):  # the same in the dQ kernel (s_first)
+        c = configs.SM90_HOPPER_BWD[d]
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=c.packed_cvt,
+                                        s_first=True), packed_cvt=c.packed_cvt))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
