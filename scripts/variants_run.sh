@@ -12,7 +12,7 @@ set -u
 COMMIT="${1:-unknown}"; OUT_DIR="${2:-variants-out}"; mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # (the default steps bring back 7 files; bwd64 adds 2, fixed 1: the device returns 8 at most,
-# so split the steps over two calls)
+# so split the steps over two calls, or PACK=1: one archive)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv; echo "commit $COMMIT"
 step() {  # step NAME TIMEOUT CMD...
   local name="$1" t="$2"; shift 2
@@ -40,4 +40,9 @@ has fwd && step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rou
 # the dK/dV kernel's per-CTA fixed cost (docs/hopper-tier.md section 7 item 1)
 # (its log to stdout only: with its JSON that makes the 8th file)
 has fixed && timeout "${T_FIXED:-120}" python3 scripts/bwd_breakdown.py --fixed-cost --out "$OUT_DIR"
+# PACK=1: everything in one archive (the device brings back 8 files at most)
+if [[ -n "${PACK:-}" ]]; then
+  (cd "$OUT_DIR" && tar czf "variants-$COMMIT.tar.gz" --exclude="variants-$COMMIT.tar.gz" . \
+     && find . -type f ! -name "variants-$COMMIT.tar.gz" -delete)
+fi
 exit 0

@@ -236,10 +236,11 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
             assert torch.equal(a, b), name
 
 
-# Forward options not dispatched (HopperFwdConfig): ``rescale_early`` (O rescaled by the
-# previous block's factor before P V is issued, measured faster at 64 / 128 in session 19)
-# and ``kv_release_once`` (one release per K / V ring slot, after its P V; session 19).
-FWD_OPTIONS = [("rescale_early", d) for d in (64, 128, 192, 256)] + [("kv_release_once", d) for d in (64, 128, 256)]
+# Forward options (HopperFwdConfig): ``rescale_early`` (O rescaled by the
+# previous block's factor before P V is issued; dispatched at 64 / 128 since session 20)
+# and ``thread_arrives`` (every consumer thread arrives on the free / turn barriers;
+# session 20).
+FWD_OPTIONS = [("rescale_early", d) for d in (64, 128, 192, 256)] + [("thread_arrives", d) for d in (64, 128, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
@@ -256,7 +257,7 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], **{option: True}))
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
-    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq + (option == "kv_release_once"))
+    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq + (option == "thread_arrives"))
     out, lse, out_varlen, lse_varlen = run()
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     ref, lse_ref = attention_ref(q, k, v, **kw)

@@ -92,17 +92,16 @@ class HopperFwdConfig:
     # 644.8. Dispatched at 64 and 128 (session 20: again 515.1 -> 513.1 / 483.6 -> 488.1 at
     # 64, 622.5 -> 634.7 / 584.0 -> 606.2 at 128, probes/probe-rounds-ac47225.json).
     rescale_early: bool = False
-    # One release per ring slot: a consumer arrives only on the slot's V barrier, after its
-    # P V wgmma retires, and the loader reloads K and V of the slot after that, instead of
-    # releasing K as soon as S = Q K^T retires. Every Gluon mbarrier.arrive costs the
-    # warpgroup a bar.sync (Triton's barrier pass treats it as touching all shared memory;
-    # docs/hopper-tier.md section 7 item 4), so this is one bar.sync fewer per key block and
-    # consumer; the K slot is held one step longer, which three stages (head dim 64) can
-    # absorb. Measured (session 20, five interleaved rounds, probes/probe-rounds-ac47225.json,
-    # TFLOPS off -> on): 64 515.1 -> 520.9 / 483.6 -> 487.7 (within the rounds' spread), 128
-    # 622.5 -> 571.9 / 584.0 -> 542.9, 256 670.6 -> 504.8 / 638.5 -> 524.3 (the K slot held
-    # until P V retires starves two-stage rings): not dispatched.
-    kv_release_once: bool = False
+    # Every consumer thread arrives on the K / V free barriers and the pingpong turns
+    # (``cp.async.mbarrier.arrive.noinc``, the barriers initialized with 128 arrivals per
+    # consumer) instead of one thread (Gluon's ``mbarrier.arrive``): Triton's shared-memory
+    # barrier pass treats that arrive as touching all shared memory and puts a warpgroup
+    # bar.sync before it and another before the next shared access (docs/hopper-tier.md
+    # section 7 item 4); the per-thread arrive touches its barrier alone. SASS of the 128
+    # forward (no mask): 4 -> 2 BAR.SYNC per key block. Built in session 20 on the CPU, not
+    # yet run. (Session 19's ``kv_release_once``, one release per slot after P V, measured
+    # 64 +1% / +1%, 128 -8% / -7%, 256 -25% / -18% in session 20: removed.)
+    thread_arrives: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False

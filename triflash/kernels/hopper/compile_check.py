@@ -241,7 +241,8 @@ def all_variants():
     left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
     (``dq_lag``) and the forward rescaling O before P V (``rescale_early``); the 64 / 128 dK/dV kernel with the warpgroups taking turns
     at whole dQ row blocks (``dq_alt``), and with S^T issued before dP^T (``s_first``); the
-    forward with one release per K / V ring slot (``kv_release_once``)."""
+    forward with every consumer thread arriving on the free / turn barriers
+    (``thread_arrives``)."""
     import dataclasses
 
     from .. import configs
@@ -269,10 +270,10 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
                              packed_cvt=c.packed_cvt))
-    for d in (64, 128, 256):  # one release per K / V ring slot (kv_release_once)
-        c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], kv_release_once=True)
+    for d in (64, 128, 256):  # every consumer thread arrives on the free / turn barriers
+        c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], thread_arrives=True)
         for f in ("plain", "causal"):
-            rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, kv_release_once=True))
+            rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, thread_arrives=True))
     for d in (64, 128):  # the whole dQ row block by the warpgroups in turn (dq_alt)
         c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_alt=True, dq_lag=False)
         for f in ("plain", "causal"):
