@@ -116,10 +116,6 @@ HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
 # SASS), causal 500 B (some in them: 12-15 spill instructions per masked block of one
 # warpgroup).
 HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 512}
-# The warpgroups taking turns at whole dQ row blocks (dq_alt, session 19, not dispatched: slower),
-# bf16: 64 spills nothing; at 128 the 64 x 128 fp32 dQ accumulator next to dK and dV: plain
-# 408 B, causal 500 B (none in the query-block loops), window + softcap 1096 B.
-HOPPER_BWD_DQ_ALT_SPILL_BUDGET = {("plain", 128): 448, ("causal", 128): 576}
 # S^T issued before dP^T, both zero-initialized, P formed while dP^T runs (s_first, session
 # 20, not dispatched), bf16, the dK/dV kernel: 64 spills nothing; 128 plain 264 B (none in the query-block
 # loops, SASS), causal 348 B (one or two reloads per block in the first warpgroup's loops).
@@ -294,8 +290,6 @@ def test_tile_variants_compile_for_sm90a():
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_lag")} == {
         (d, f) for d in (64, 128) for f in ("plain", "causal")}
-    assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_alt")} == {
-        (d, f) for d in (64, 128) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("thread_arrives")} == {
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["kernel"], r["headdim"], r["feature"]) for r in rows if r.get("s_first")} == {
@@ -307,9 +301,6 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_DQ_S_FIRST_SPILL_BUDGET if r["kernel"] == "hopper_dq" else HOPPER_BWD_S_FIRST_SPILL_BUDGET
         elif r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
-        elif r.get("dq_alt"):
-            assert r["tma_reduce"] > 0, r
-            budget = HOPPER_BWD_DQ_ALT_SPILL_BUDGET
         elif r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):

@@ -267,14 +267,12 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
                            pt, softcap)
 
 
-# Backward options of the in-kernel dQ, not dispatched (HopperBwdConfig): ``dq_lag`` (each
-# query block's dQ added one block later, four dS^T slots, a zero block first; measured
-# faster at 64 in session 19) and ``dq_alt`` (the warpgroups take turns at whole dQ row
-# blocks, a slot's reader releasing it to the other; session 19); and ``s_first`` (S^T
-# issued before dP^T, Delta subtracted after; session 20), which the separate dQ kernel
-# (deterministic=True at 64 / 128, always at 256) takes too.
-BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "dq_alt": dict(dq_alt=True, dq_lag=False),
-                  "s_first": dict(s_first=True)}
+# Backward options (HopperBwdConfig): ``dq_lag`` (each query block's dQ added one block
+# later, four dS^T slots, a zero block first; dispatched at 64 since session 20, tested here
+# at 128 too) and ``s_first`` (S^T issued before dP^T, Delta subtracted after; session 20,
+# not dispatched), which the separate dQ kernel (deterministic=True at 64 / 128, always at
+# 256) takes too.
+BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "s_first": dict(s_first=True)}
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],

@@ -208,19 +208,8 @@ class HopperBwdConfig:
     # / 498.9 -> 478.2. Dispatched at 64 (session 20: 434.1 -> 451.7 / 410.7 -> 435.5,
     # probes/bwd-probe-rounds-d64-ac47225.json).
     dq_lag: bool = False
-    # With the in-kernel dQ (atomic_dq, not with dq_lag): the warpgroups take turns, query
-    # block by query block, computing the block's whole dQ row block (64 x D over the CTA's
-    # keys: A = both dS^T tiles, B = both whole K tiles, one 64 x D fp32 reduce-add) instead
-    # of each computing a 64 x D/2 column half every block. The dS^T tiles are read once per
-    # block instead of twice: at 128 a block pair's dQ moves 48 KB through shared memory
-    # instead of 64 KB (of ~336 KB; the kernel is bound by shared-memory traffic, docs/
-    # hopper-tier.md section 7 item 1). The dQ warpgroup of a slot tells the other when it
-    # has read it (two more barriers); the staging tiles grow to 64 x D fp32 each (230864 B
-    # of shared memory at 128). Measured (session 20, five interleaved rounds, probes/
-    # bwd-probe-rounds-d{64,128}-ac47225.json, TFLOPS off -> on): 128 541.2 -> 525.0 / 503.6
-    # -> 487.9 (its 408 / 500 B of spills); 64 434.1 -> 450.6 / 410.7 -> 420.3, below dq_lag's
-    # 451.7 / 435.5: not dispatched.
-    dq_alt: bool = False
+    # (Session 19's ``dq_alt``, the warpgroups taking turns at whole dQ row blocks, measured
+    # in session 20: 128 541.2 -> 525.0 / 503.6 -> 487.9, 64 below ``dq_lag``: removed.)
     # S^T issued before dP^T, both zero-initialized, and one wait for S^T alone: each
     # warpgroup forms P (exponentials, mask, conversion) while the tensor cores compute its
     # dP^T, and subtracts Delta from dP^T afterwards (one add per element) instead of

@@ -156,14 +156,12 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr,
-              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, DQ_ALT: gl.constexpr = False,
-              S_FIRST: gl.constexpr = False):
+              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, S_FIRST: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
     returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
     ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
-    ``m_max`` - 1, of the head before), or with ``DQ_ALT`` the whole dQ row block on the
-    blocks whose ``it`` has this warpgroup's parity (``_dq_issue_alt``). ``k_buf``
-    / ``v_buf``: the S^T / dP^T wgmmas' A operands, shared tiles or registers (``REG_A``)."""
+    ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the S^T / dP^T wgmmas' A
+    operands, shared tiles or registers (``REG_A``)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -173,7 +171,6 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     o_layout: gl.constexpr = _acc_layout(D, dtype)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    DS_READ: gl.constexpr = 3  # DQ_ALT: ds_bars 3 / 4, slot 0 / 1 read (after 0 / 1 written, 2 the end)
 
     stage = it % STAGES
     phase = (it // STAGES) & 1
@@ -247,14 +244,6 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
             # last reads of the slot written here (three slots would do; four index by bits).
             mbarrier.wait(ds_bars.index(it & 3), (it >> 2) & 1)
             slot = (it + 1) & 3
-        elif DQ_ALT:
-            # Slot it & 1 is read by warpgroup it & 1 alone (the whole row block's dQ), which
-            # arrives on ds_bars 3 + slot once its wgmmas have read it: the other warpgroup
-            # writes the slot again (two blocks later) only after that (a fresh barrier
-            # passes the first use).
-            slot = it & 1
-            if slot != C:
-                mbarrier.wait(ds_bars.index(DS_READ + slot), ((it >> 1) & 1) ^ 1)
         else:
             # dS^T to this warpgroup's tile of shared slot it & 1, for both warpgroups' dQ
             # wgmmas (``ds_bars`` 0 / 1: the slot written by both). A warpgroup writes slot
@@ -265,39 +254,25 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-    if ATOMIC_DQ and DQ_ALT:
-        if slot == C:  # this block's dQ is this warpgroup's
-            # (the dQ wgmmas after dV / dK retire: issued before, the 64 x D accumulator next
-            # to theirs and P / dS^T at 128 makes ptxas serialize every wgmma, C7512)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-            mbarrier.arrive(free.index(stage))
-            dq_tok = _dq_issue_alt(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM)
-            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-            mbarrier.arrive(ds_bars.index(DS_READ + slot))
-            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, 0)
+    if ATOMIC_DQ:
+        if DQ_LAG:  # block it - 1's dQ: both of its dS^T tiles are written (waited above)
+            dq_tok = _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
         else:
-            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-            mbarrier.arrive(free.index(stage))
+            dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
+        dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
     else:
-        if ATOMIC_DQ:
-            if DQ_LAG:  # block it - 1's dQ: both of its dS^T tiles are written (waited above)
-                dq_tok = _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
-            else:
-                dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
-            dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics are
+    # in registers by now): one arrival per warpgroup.
+    mbarrier.arrive(free.index(stage))
+    if ATOMIC_DQ:
+        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+        if DQ_LAG:
+            if it > 0:  # (the first step's is the zero block's)
+                first = (m == m_min).to(gl.int32)
+                _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
         else:
-            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-        # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics were
-        # read into registers before the wgmmas were issued): one arrival per warpgroup.
-        mbarrier.arrive(free.index(stage))
-        if ATOMIC_DQ:
-            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-            if DQ_LAG:
-                if it > 0:  # (the first step's is the zero block's)
-                    first = (m == m_min).to(gl.int32)
-                    _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
-            else:
-                _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
+            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
     return dk, dv
 
 
@@ -328,19 +303,6 @@ def _dq_issue(ds_bufs, k_bufs, ds_bars, dslot, duse, BM: gl.constexpr, C: gl.con
     warpgroup's 64 keys (A = the transposed view of its dS^T tile)."""
     mbarrier.wait(ds_bars.index(dslot), duse & 1)
     return _dq_wgmmas(ds_bufs, k_bufs, dslot, BM, C)
-
-
-@gluon.jit
-def _dq_issue_alt(ds_bufs, k_bufs, ds_bars, dslot, duse, BM: gl.constexpr):
-    """``DQ_ALT``: once both dS^T tiles of ``dslot`` (its use ``duse``) are written, the async
-    wgmmas of the whole dQ_m = dS K over the CTA's keys (A = the transposed views of both dS^T
-    tiles, B = both whole K tiles): each dS^T tile is read once per block, not once per
-    column half."""
-    D: gl.constexpr = k_bufs.shape[2]
-    mbarrier.wait(ds_bars.index(dslot), duse & 1)
-    tok = warpgroup_mma(ds_bufs.index(2 * dslot).permute((1, 0)), k_bufs.index(0),
-                        gl.zeros([BM, D], gl.float32, _acc_layout(D, k_bufs.dtype)), use_acc=False, is_async=True)
-    return warpgroup_mma(ds_bufs.index(2 * dslot + 1).permute((1, 0)), k_bufs.index(1), tok, is_async=True)
 
 
 @gluon.jit
@@ -419,7 +381,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
                   REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                  DQ_ALT: gl.constexpr = False, S_FIRST: gl.constexpr = False):
+                  S_FIRST: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -461,7 +423,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
                                    STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
-                                   m_min, m_max, DQ_LAG, DQ_ALT, S_FIRST)
+                                   m_min, m_max, DQ_LAG, S_FIRST)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -523,7 +485,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       PACKED_CVT: gl.constexpr, REG_A: gl.constexpr,
                       n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                      DQ_ALT: gl.constexpr = False, S_FIRST: gl.constexpr = False):
+                      S_FIRST: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -535,7 +497,6 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
     gl.static_assert(D == DV, "headdim == headdim_v")
     gl.static_assert(not (IS_VARLEN and ATOMIC_DQ), "varlen: dQ by the dQ kernel")
-    gl.static_assert(not (DQ_LAG and DQ_ALT), "dq_lag or dq_alt")
     BLOCK_N: gl.constexpr = KR * NUM_CONSUMERS
     if SPLIT > 1:  # 1D grid, the last wave's tiles in SPLIT pieces (host: ``tail_pieces``)
         n_block, head_kv, batch, piece, pieces, slot = _split_tile(n_full, nb, nheads_kv, SPLIT)
@@ -565,24 +526,19 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     DS_SLOTS: gl.constexpr = 4 if DQ_LAG else 2
     if ATOMIC_DQ:
         # dS^T double-buffered per warpgroup ([slot, warpgroup]; DQ_LAG: four slots), dQ
-        # staging per warpgroup (a column half of the row block; DQ_ALT: the whole row block)
-        DQN: gl.constexpr = D if DQ_ALT else D // 2
+        # staging per warpgroup (a column half of the row block)
+        DQN: gl.constexpr = D // 2
         ds_bufs = gl.allocate_shared_memory(dtype, [DS_SLOTS * NUM_CONSUMERS, KR, BM], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BM, DQN],
                                             gl.NVMMASharedLayout.get_default_for([BM, DQN], gl.float32))
     else:
         ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)  # unused
         dq_bufs = ds_bufs
-    # ds_bars (both warpgroups arrive): 0 / 1 (/ 2 / 3) dS^T of a slot written, then the loop's
-    # end; DQ_ALT: then 3 / 4, slot 0 / 1 read by its dQ warpgroup (one arrival)
-    N_BARS: gl.constexpr = DS_SLOTS + 3 if DQ_ALT else DS_SLOTS + 1
-    ds_bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
+    # ds_bars (both warpgroups arrive): 0 / 1 (/ 2 / 3) dS^T of a slot written, then the loop's end
+    ds_bars = gl.allocate_shared_memory(gl.int64, [DS_SLOTS + 1, 1], mbarrier.MBarrierLayout())
     if ATOMIC_DQ:
         for i in gl.static_range(DS_SLOTS + 1):
             mbarrier.init(ds_bars.index(i), count=NUM_CONSUMERS)
-        if DQ_ALT:
-            for i in gl.static_range(2):
-                mbarrier.init(ds_bars.index(DS_SLOTS + 1 + i), count=1)
     kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, NUM_CONSUMERS)
 
     gl.warp_specialize(
@@ -593,7 +549,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, DQ_ALT, S_FIRST)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, S_FIRST)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -601,7 +557,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, DQ_ALT, S_FIRST)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, S_FIRST)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -667,7 +623,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
     return [descriptor(q, BLOCK_M, d), descriptor(k, kr, d), descriptor(v, kr, d), descriptor(dout, BLOCK_M, d),
             descriptor(dk, kr, d), descriptor(dv, kr, d), stat_descriptor(stat), stat_descriptor(delta),
             dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2),
-            descriptor(dq_accum, BLOCK_M, d if _dq_alt(cfg, atomic_dq) else d // 2),
+            descriptor(dq_accum, BLOCK_M, d // 2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
@@ -675,12 +631,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt,  # .., HEAD_DIM, PACKED_CVT
             cfg.reg_a_for(params.softcap),
             n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
-            cfg.dq_lag and atomic_dq, _dq_alt(cfg, atomic_dq), cfg.s_first]  # DQ_LAG, DQ_ALT, S_FIRST
-
-
-def _dq_alt(cfg, atomic_dq):
-    """The whole dQ row block by one warpgroup per query block (``HopperBwdConfig.dq_alt``)."""
-    return cfg.dq_alt and atomic_dq and not cfg.dq_lag
+            cfg.dq_lag and atomic_dq, cfg.s_first]  # DQ_LAG, S_FIRST
 
 
 def stats(pb, out, dout, lse):

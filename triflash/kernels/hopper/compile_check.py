@@ -141,8 +141,6 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if cfg.dq_lag and atomic_dq:
         row["dq_lag"] = True
-    if cfg.dq_alt and atomic_dq and not cfg.dq_lag:
-        row["dq_alt"] = True
     if cfg.s_first:
         row["s_first"] = True
     if varlen:
@@ -239,10 +237,9 @@ def all_variants():
     ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
-    (``dq_lag``) and the forward rescaling O before P V (``rescale_early``); the 64 / 128 dK/dV kernel with the warpgroups taking turns
-    at whole dQ row blocks (``dq_alt``), and with S^T issued before dP^T (``s_first``); the
-    forward with every consumer thread arriving on the free / turn barriers
-    (``thread_arrives``)."""
+    (``dq_lag``) and the forward rescaling O before P V (``rescale_early``); the 64 / 128 dK/dV
+    kernel and the dQ kernel with S^T issued before dP^T (``s_first``); the forward with
+    every consumer thread arriving on the free / turn barriers (``thread_arrives``)."""
     import dataclasses
 
     from .. import configs
@@ -274,10 +271,6 @@ def all_variants():
         c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], thread_arrives=True)
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, thread_arrives=True))
-    for d in (64, 128):  # the whole dQ row block by the warpgroups in turn (dq_alt)
-        c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], dq_alt=True, dq_lag=False)
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=c), packed_cvt=c.packed_cvt))
     for d in (64, 128):  # S^T before dP^T, P formed while dP^T runs (s_first)
         c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], s_first=True)
         for f in ("plain", "causal"):
