@@ -188,23 +188,20 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     # ``S_FIRST`` (configs.HopperBwdConfig.s_first): S first, then dP zero-initialized (no
     # initial accumulator, so no C7517), one wait for S alone: P's exponentials run while
     # the tensor cores compute dP, and Delta is subtracted from dP afterwards.
+    if not SOFTCAP and not S_FIRST:
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
+                               - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
+                               is_async=True)
+    mbarrier.wait(q_ready.index(stage), phase)
+    s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
     if S_FIRST and not SOFTCAP:
-        mbarrier.wait(q_ready.index(stage), phase)
-        s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
                                use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
     else:
-        if not SOFTCAP:
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
-                                   - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
-                                   is_async=True)
-        mbarrier.wait(q_ready.index(stage), phase)
-        s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
     lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
     if SOFTCAP:

@@ -90,18 +90,17 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
     mbarrier.wait(kv_ready.index(stage), (it // STAGES) & 1)
     k_buf = k_ring.index(stage)
     v_buf = v_ring.index(stage)
+    if not S_FIRST:
+        dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)),
+                               gl.zeros([BM, BLOCK_N], gl.float32, s_layout) - gl.expand_dims(delta, 1),
+                               is_async=True)
+    s_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
     if S_FIRST:
-        s_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                                use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
     else:
-        dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)),
-                               gl.zeros([BM, BLOCK_N], gl.float32, s_layout) - gl.expand_dims(delta, 1),
-                               is_async=True)
-        s_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
         dp, s = warpgroup_mma_wait(0, deps=(dp_tok, s_tok))
     if SOFTCAP:
         t = tanh(s * qk_scale)
