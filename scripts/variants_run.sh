@@ -4,7 +4,7 @@
 # variants are --config specs, '' = as dispatched):
 # their GPU tests first, then forward and backward variants in interleaved rounds beside
 # cuDNN. Each step under its own timeout; results under OUT_DIR.
-# Usage (repo root, on the H200):  [STEPS="tests bwd256 bwd128 bwd64 fwd fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
+# Usage (repo root, on the H200):  [STEPS="tests same bwd256 bwd128 bwd64 fwd fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
 # (all six take ~10 minutes: two device calls, e.g. STEPS="tests bwd256 fixed", then
 # STEPS="bwd128 bwd64 fwd")
 set -u
@@ -27,6 +27,8 @@ STEPS=" ${STEPS:-tests bwd256 bwd128 fwd} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
   -k "${TEST_K:-packed_cvt or timeline or reg_a or q_regs}"
+# forward options that must not change the outputs: bitwise against the dispatched tiles
+has same && step same "${T_SAME:-120}" python3 scripts/same_outputs.py --variants "${SAME_VARIANTS:-pv_overlap=1}"
 BV="${BWD_VARIANTS:-;reg_a=0}"
 has bwd256 && step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"

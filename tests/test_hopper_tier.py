@@ -238,9 +238,10 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 
 # Forward options (HopperFwdConfig): ``rescale_early`` (O rescaled by the
 # previous block's factor before P V is issued; dispatched at 64 / 128 since session 20)
-# and ``thread_arrives`` (every consumer thread arrives on the free / turn barriers;
-# session 20).
-FWD_OPTIONS = [("rescale_early", d) for d in (64, 128, 192, 256)] + [("thread_arrives", d) for d in (64, 128, 256)]
+# ``thread_arrives`` (every consumer thread arrives on the free / turn barriers;
+# session 20) and ``pv_overlap`` (a basic-block split before P V's wait; session 21).
+FWD_OPTIONS = ([("rescale_early", d) for d in (64, 128, 192, 256)] + [("thread_arrives", d) for d in (64, 128, 256)]
+               + [("pv_overlap", d) for d in (64, 128, 256)])
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],

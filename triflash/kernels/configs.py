@@ -102,6 +102,14 @@ class HopperFwdConfig:
     # yet run. (Session 19's ``kv_release_once``, one release per slot after P V, measured
     # 64 +1% / +1%, 128 -8% / -7%, 256 -25% / -18% in session 20: removed.)
     thread_arrives: bool = False
+    # A basic-block split (``hopper.common.block_split``) just before the P V wait of each
+    # key block: ptxas schedules within a basic block and moved that wait, with the packs of
+    # P that overwrite the registers the in-flight P V wgmma reads, up among the
+    # exponentials, so a warpgroup's softmax never ran under its own P V (FA3's
+    # intra-warpgroup overlap; docs/hopper-tier.md section 7 item 4). SASS per key block,
+    # exponentials issued while a wgmma is in flight (scripts/sass_loops.py): 128 0 -> 66 of
+    # 66. Built in session 21 on the CPU, not yet run.
+    pv_overlap: bool = False
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False

@@ -239,7 +239,8 @@ def all_variants():
     left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
     (``dq_lag``) and the forward rescaling O before P V (``rescale_early``); the 64 / 128 dK/dV
     kernel and the dQ kernel with S^T issued before dP^T (``s_first``); the forward with
-    every consumer thread arriving on the free / turn barriers (``thread_arrives``)."""
+    every consumer thread arriving on the free / turn barriers (``thread_arrives``), and with
+    a basic-block split before each P V wait (``pv_overlap``)."""
     import dataclasses
 
     from .. import configs
@@ -271,6 +272,10 @@ def all_variants():
         c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], thread_arrives=True)
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, thread_arrives=True))
+    for d in (64, 128, 256):  # a basic-block split before P V's wait (pv_overlap)
+        c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], pv_overlap=True)
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, pv_overlap=True))
     for d in (64, 128):  # S^T before dP^T, P formed while dP^T runs (s_first)
         c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], s_first=True)
         for f in ("plain", "causal"):
