@@ -1,12 +1,13 @@
 """Does a forward option change the outputs? (H200; one device-call step, ~1 minute.)
 
-Options that only move instructions (``HopperFwdConfig.pv_overlap``, ``thread_arrives``)
-must give the dispatched kernels' outputs bit for bit. For each head dim (64, 128, 256),
+Options that only move instructions or barriers (session 21's ``pv_overlap`` and
+``thread_arrives``, measured and removed: configs.HopperFwdConfig) must give the dispatched
+kernels' outputs bit for bit. For each head dim (64, 128, 256),
 causal and not, odd lengths (GQA 8 / 2 heads, seqlen_q 1000, seqlen_k 1537): O and LSE with
 the dispatched tile, then with each override spec (as ``hopper_probe.py --config``);
 ``torch.equal`` on both. Prints one JSON line per case; exit status 1 on any difference.
 
-    python scripts/same_outputs.py --variants "pv_overlap=1;thread_arrives=1"
+    python scripts/same_outputs.py --variants "q_regs=0;own_blocks=0"
 """
 import argparse
 import dataclasses

@@ -8,8 +8,8 @@ loop inside; the key-block / query-block loops of each consumer), counts ``BAR.S
 ``EX2async``: the exponentials issued while a wgmma group is still in flight (after a
 ``WARPGROUP.DEPBAR.LE gsb0, N`` with N > 0 and before the next one with N = 0).
 
-    python scripts/sass_loops.py fwd 128 plain [thread_arrives=1 ...]
-    python scripts/sass_loops.py --table   # the session-20 options against the dispatch
+    python scripts/sass_loops.py fwd 128 plain [q_regs=0 ...]
+    python scripts/sass_loops.py --table   # the dispatched 64 / 128 / 256 forward, 64 / 128 backward
 """
 import dataclasses
 import os
@@ -94,10 +94,9 @@ def report(kind, d, feature, overrides):
     return f"{kind} {d} {feature:6s} {name:18s} spill {spill:4d} B  loops {len(loops)}: " + " | ".join(sig)
 
 
-TABLE = ([("fwd", d, f, o) for d in (64, 128, 256) for f in ("plain", "causal")
-          for o in ({}, {"thread_arrives": "1"})]
-         + [("bwd", d, f, o) for d in (64, 128) for f in ("plain", "causal")
-            for o in ({}, {"s_first": "1"})])
+TABLE = ([("fwd", d, f, {}) for d in (64, 128, 256) for f in ("plain", "causal")]
+         + [("bwd", d, f, {}) for d in (64, 128) for f in ("plain", "causal")])
+
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--table"]:

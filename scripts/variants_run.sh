@@ -27,8 +27,9 @@ STEPS=" ${STEPS:-tests bwd256 bwd128 fwd} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
   -k "${TEST_K:-packed_cvt or timeline or reg_a or q_regs}"
-# forward options that must not change the outputs: bitwise against the dispatched tiles
-has same && step same "${T_SAME:-120}" python3 scripts/same_outputs.py --variants "${SAME_VARIANTS:-pv_overlap=1}"
+# forward options that must not change the outputs (SAME_VARIANTS): bitwise against the dispatched tiles
+[[ -n "${SAME_VARIANTS:-}" ]] && has same && step same "${T_SAME:-120}" python3 scripts/same_outputs.py \
+  --variants "$SAME_VARIANTS"
 BV="${BWD_VARIANTS:-;reg_a=0}"
 has bwd256 && step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
   --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"

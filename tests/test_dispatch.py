@@ -64,6 +64,25 @@ def test_padded_head_dims_take_boxes_of_the_tile_width(d, width):
     assert kernel_arg(fwd.hopper_fwd_kernel, args, "HEAD_DIM") == d
 
 
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_forward_rescales_early_where_its_tile_says(d):
+    """RESCALE_EARLY of the forward launch (``hopper.fwd.rescale_early``): at 64 / 128 for every
+    launch (``rescale_early``), at 256 without a causal / window mask and without softcap
+    (``rescale_early_unmasked``: measured faster there, slower under a mask)."""
+    from triflash.kernels import configs
+    from triflash.kernels.hopper.common import kernel_head_dim
+    from triflash.kernels.portable import AttnParams
+    cfg = configs.SM90_HOPPER_FWD[kernel_head_dim(d)]
+    q, k, v = _qkv(d, s=300)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 300)
+    cases = {"plain": (-1, -1, 0.0), "causal": (-1, 0, 0.0), "window": (64, 32, 0.0), "softcap": (-1, -1, 30.0)}
+    for name, (left, right, softcap) in cases.items():
+        p = AttnParams(d ** -0.5, left, right, softcap, 300, 300)
+        _, args = fwd.kernel_args(q, k, v, out, lse, p, cfg, num_sms=8)
+        expected = kernel_head_dim(d) in (64, 128) or (kernel_head_dim(d) == 256 and name == "plain")
+        assert kernel_arg(fwd.hopper_fwd_kernel, args, "RESCALE_EARLY") == expected, name
+
+
 @pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (128, 128), (256, 256)])
 def test_padded_head_dims_backward_boxes(d, width):
     """The backward's kernels at a padded head dim take boxes of the tile's width over the

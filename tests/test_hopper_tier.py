@@ -236,12 +236,10 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
             assert torch.equal(a, b), name
 
 
-# Forward options (HopperFwdConfig): ``rescale_early`` (O rescaled by the
-# previous block's factor before P V is issued; dispatched at 64 / 128 since session 20)
-# ``thread_arrives`` (every consumer thread arrives on the free / turn barriers;
-# session 20) and ``pv_overlap`` (a basic-block split before P V's wait; session 21).
-FWD_OPTIONS = ([("rescale_early", d) for d in (64, 128, 192, 256)] + [("thread_arrives", d) for d in (64, 128, 256)]
-               + [("pv_overlap", d) for d in (64, 128, 256)])
+# Forward options (HopperFwdConfig): ``rescale_early`` (O rescaled by the previous block's
+# factor before P V is issued; dispatched at 64 / 128 since session 20, at 256 without a
+# mask since session 21: here at every tile and mask).
+FWD_OPTIONS = [("rescale_early", d) for d in (64, 128, 192, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
@@ -258,7 +256,7 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], **{option: True}))
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
-    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq + (option == "thread_arrives"))
+    q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq)
     out, lse, out_varlen, lse_varlen = run()
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     ref, lse_ref = attention_ref(q, k, v, **kw)
@@ -270,16 +268,14 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 
 # Backward options (HopperBwdConfig): ``dq_lag`` (each query block's dQ added one block
 # later, four dS^T slots, a zero block first; dispatched at 64 since session 20, tested here
-# at 128 too) and ``s_first`` (S^T issued before dP^T, Delta subtracted after; session 20,
-# not dispatched), which the separate dQ kernel (deterministic=True at 64 / 128, always at
-# 256) takes too.
-BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "s_first": dict(s_first=True)}
+# at 128 too).
+BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True)}
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("option,d", [(o, d) for o in BWD_DQ_OPTIONS for d in (64, 128)] + [("s_first", 256)])
+@pytest.mark.parametrize("option,d", [(o, d) for o in BWD_DQ_OPTIONS for d in (64, 128)])
 def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
     """A backward option (``BWD_DQ_OPTIONS``) on, against the fp32 reference: GQA / MQA groups (the
     block before a head's first is the last of the head before; the turns run on across a
@@ -293,9 +289,6 @@ def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
     causal, window, softcap = MASKS[mask]
     with triflash.force_backend("hopper"):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
-        if option == "s_first":
-            check_attention(2, sq, sk, h, hk, d, torch.float16, causal, window, softcap, deterministic=True,
-                            seed=1)
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],

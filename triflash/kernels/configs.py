@@ -92,24 +92,21 @@ class HopperFwdConfig:
     # 644.8. Dispatched at 64 and 128 (session 20: again 515.1 -> 513.1 / 483.6 -> 488.1 at
     # 64, 622.5 -> 634.7 / 584.0 -> 606.2 at 128, probes/probe-rounds-ac47225.json).
     rescale_early: bool = False
-    # Every consumer thread arrives on the K / V free barriers and the pingpong turns
-    # (``cp.async.mbarrier.arrive.noinc``, the barriers initialized with 128 arrivals per
-    # consumer) instead of one thread (Gluon's ``mbarrier.arrive``): Triton's shared-memory
-    # barrier pass treats that arrive as touching all shared memory and puts a warpgroup
-    # bar.sync before it and another before the next shared access (docs/hopper-tier.md
-    # section 7 item 4); the per-thread arrive touches its barrier alone. SASS of the 128
-    # forward (no mask): 4 -> 2 BAR.SYNC per key block. Built in session 20 on the CPU, not
-    # yet run. (Session 19's ``kv_release_once``, one release per slot after P V, measured
-    # 64 +1% / +1%, 128 -8% / -7%, 256 -25% / -18% in session 20: removed.)
-    thread_arrives: bool = False
-    # A basic-block split (``hopper.common.block_split``) just before the P V wait of each
-    # key block: ptxas schedules within a basic block and moved that wait, with the packs of
-    # P that overwrite the registers the in-flight P V wgmma reads, up among the
-    # exponentials, so a warpgroup's softmax never ran under its own P V (FA3's
-    # intra-warpgroup overlap; docs/hopper-tier.md section 7 item 4). SASS per key block,
-    # exponentials issued while a wgmma is in flight (scripts/sass_loops.py): 128 0 -> 66 of
-    # 66. Built in session 21 on the CPU, not yet run.
-    pv_overlap: bool = False
+    # ``rescale_early`` where the launch has no causal / window mask and no softcap (dense or
+    # varlen): at 256 it measured faster without a mask and slower with one (seed 671.4 ->
+    # 674.1 / 650.2 -> 644.8 in session 19, 670.6 -> 681.2 / 638.5 -> 633.9 in session 20,
+    # probes/probe-rounds-{23cee87,ac47225}.json). Dispatched at 256 in session 21.
+    rescale_early_unmasked: bool = False
+    # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
+    # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
+    # probes/variants-e97395a.tar.gz: ``thread_arrives``, every consumer thread arriving on
+    # the K / V free and turn barriers (cp.async.mbarrier.arrive.noinc, no bar.sync around
+    # it: 4 -> 2 BAR.SYNC per key block), 64 507.7 -> 494.2 / 478.2 -> 482.2, 128 640.9 ->
+    # 613.1 / 607.5 -> 594.6, seed 671.9 -> 655.0 / 641.8 -> 615.4; ``pv_overlap``, a basic-
+    # block split before each P V wait so that ptxas keeps the exponentials above it (SASS:
+    # 0 -> 66 of 66 issued under the in-flight P V wgmma at 128), 64 448.9 / 427.6, 128 631.3
+    # / 599.7, seed 650.7 / 620.6; both 452.4 / 421.9, 635.1 / 601.1, 646.9 / 618.2. Both
+    # gave the dispatched outputs bit for bit. docs/hopper-tier.md section 7 item 4.)
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
@@ -218,19 +215,11 @@ class HopperBwdConfig:
     dq_lag: bool = False
     # (Session 19's ``dq_alt``, the warpgroups taking turns at whole dQ row blocks, measured
     # in session 20: 128 541.2 -> 525.0 / 503.6 -> 487.9, 64 below ``dq_lag``: removed.)
-    # S^T issued before dP^T, both zero-initialized, and one wait for S^T alone: each
-    # warpgroup forms P (exponentials, mask, conversion) while the tensor cores compute its
-    # dP^T, and subtracts Delta from dP^T afterwards (one add per element) instead of
-    # starting dP^T's accumulator at -Delta. Today dP^T goes first (ptxas serializes a wgmma
-    # whose initial accumulator is written while another is in flight, C7517) and one wait
-    # covers both, so P waits for dP^T; with the two warpgroups in step (both wait for each
-    # other's dS^T every block) the tensor cores idle while both form P. FA4's sm90 backward
-    # orders them this way (S, dP, wait for S, P, wait for dP). Not with softcap in the
-    # dK/dV kernel (dP^T after P there already). The Gluon dQ kernel (hopper/bwd_dq.py: 256,
-    # and deterministic / varlen at 64 / 128) takes the same order for S and dP. Built in
-    # session 20 on the CPU (compile-checked: 128 dK/dV kernel spills 264 / 348 B, none in
-    # the query-block loops without a mask), not yet run.
-    s_first: bool = False
+    # (Measured and removed in session 21: ``s_first``, S^T issued before dP^T, both
+    # zero-initialized, one wait for S^T alone so that P's exponentials run under dP^T
+    # (FA4's sm90 order), Delta subtracted after; five interleaved rounds: 128 543.5 -> 521.1
+    # / 505.5 -> 502.1, 64 463.1 -> 466.9 / 440.4 -> 446.8, probes/bwd-probe-rounds-d{64,128}-
+    # e97395a.json.)
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -320,7 +309,7 @@ SM90_HOPPER_FWD = {
                         rescale_early=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True),
+    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True, rescale_early_unmasked=True),
 }
 
 # Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).

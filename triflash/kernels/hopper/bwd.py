@@ -156,7 +156,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr,
-              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, S_FIRST: gl.constexpr = False):
+              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
     returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
     ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
@@ -184,11 +184,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     # one with an initial value goes first: dP, then S (zero-initialized), one wait for both.
     # With softcap (tanh keeps one more 64x64 tile alive) dP is issued after P instead, so
     # its accumulator is not reserved while P is formed.
-    #
-    # ``S_FIRST`` (configs.HopperBwdConfig.s_first): S first, then dP zero-initialized (no
-    # initial accumulator, so no C7517), one wait for S alone: P's exponentials run while
-    # the tensor cores compute dP, and Delta is subtracted from dP afterwards.
-    if not SOFTCAP and not S_FIRST:
+    if not SOFTCAP:
         mbarrier.wait(do_ready.index(stage), phase)
         dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
                                - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
@@ -196,13 +192,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     mbarrier.wait(q_ready.index(stage), phase)
     s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-    if S_FIRST and not SOFTCAP:
-        mbarrier.wait(do_ready.index(stage), phase)
-        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
-                               use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-    else:
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
     lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
     if SOFTCAP:
         t = tanh(s * qk_scale)
@@ -230,8 +220,6 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     # dV += P^T dO, P^T from registers
     dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
-    if S_FIRST and not SOFTCAP:
-        dp = dp - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0)
     ds = to_16bit(p * dp, dtype, PACKED_CVT)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
         if DQ_LAG:
@@ -377,8 +365,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
-                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                  S_FIRST: gl.constexpr = False):
+                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -420,7 +407,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
                                    STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
-                                   m_min, m_max, DQ_LAG, S_FIRST)
+                                   m_min, m_max, DQ_LAG)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -481,8 +468,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       PACKED_CVT: gl.constexpr, REG_A: gl.constexpr,
-                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                      S_FIRST: gl.constexpr = False):
+                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -546,7 +532,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, S_FIRST)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -554,7 +540,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, S_FIRST)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -628,7 +614,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt,  # .., HEAD_DIM, PACKED_CVT
             cfg.reg_a_for(params.softcap),
             n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
-            cfg.dq_lag and atomic_dq, cfg.s_first]  # DQ_LAG, S_FIRST
+            cfg.dq_lag and atomic_dq]  # DQ_LAG
 
 
 def stats(pb, out, dout, lse):
@@ -728,7 +714,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
-                          cfg.dq_stages, cfg.packed_cvt, cfg.s_first)
+                          cfg.dq_stages, cfg.packed_cvt)
             if dq_out is not dq:
                 dq.copy_(dq_out)
             return _finish(dq, dk, dk_out, dv, dv_out)

@@ -69,15 +69,10 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
 def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, delta,
              rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right,
              STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PACKED_CVT: gl.constexpr,
-             S_FIRST: gl.constexpr = False):
+             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PACKED_CVT: gl.constexpr):
     """Key block ``n`` (ring slot ``it``); returns dq. Each wgmma is waited for inside the
     step (an async token cannot be carried through a loop); the two consumer warpgroups
-    overlap each other's element-wise work and wgmmas. dP goes first with -Delta as its
-    initial accumulator (ptxas serializes a wgmma whose initial accumulator is written while
-    another is in flight, C7517), one wait for both; ``S_FIRST`` (configs.HopperBwdConfig.
-    s_first): S first, dP zero-initialized, one wait for S alone, P formed while dP runs and
-    Delta subtracted after."""
+    overlap each other's element-wise work and wgmmas."""
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -90,18 +85,12 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
     mbarrier.wait(kv_ready.index(stage), (it // STAGES) & 1)
     k_buf = k_ring.index(stage)
     v_buf = v_ring.index(stage)
-    if not S_FIRST:
-        dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)),
-                               gl.zeros([BM, BLOCK_N], gl.float32, s_layout) - gl.expand_dims(delta, 1),
-                               is_async=True)
+    dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)),
+                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout) - gl.expand_dims(delta, 1),
+                           is_async=True)
     s_tok = warpgroup_mma(q_buf, k_buf.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-    if S_FIRST:
-        dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)), gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
-                               use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-    else:
-        dp, s = warpgroup_mma_wait(0, deps=(dp_tok, s_tok))
+    dp, s = warpgroup_mma_wait(0, deps=(dp_tok, s_tok))
     if SOFTCAP:
         t = tanh(s * qk_scale)
         p = gl.exp2(t * softcap_log2 - gl.expand_dims(lse, 1))
@@ -111,8 +100,6 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
         cols = n * BLOCK_N + cols0
         p = gl.where(visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), len_q, len_k,
                              window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
-    if S_FIRST:
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,)) - gl.expand_dims(delta, 1)
     ds = p * dp
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
@@ -132,7 +119,7 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
                  IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr, S_FIRST: gl.constexpr = False):
+                 HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr):
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -161,7 +148,7 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
             dq = _dq_step(n - n_min, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free,
                           dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
                           softcap_log2, window_left, window_right,
-                          STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT, S_FIRST)
+                          STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
     _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
@@ -178,7 +165,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     PACKED_CVT: gl.constexpr, S_FIRST: gl.constexpr = False):
+                     PACKED_CVT: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -209,14 +196,14 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT, S_FIRST)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT)),
          (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, k_ring, v_ring, kv_ready,
                          kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT, S_FIRST)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT)),
          (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                        kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -226,7 +213,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
 
 
 def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
-                loader_regs=24, consumer_regs=240, packed_cvt=False, s_first=False):
+                loader_regs=24, consumer_regs=240, packed_cvt=False):
     """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
     views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
@@ -240,17 +227,16 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
             params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs, q.shape[-1],  # .., HEAD_DIM,
-            packed_cvt, s_first]  # .., PACKED_CVT, S_FIRST
+            packed_cvt]
     return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
-def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, packed_cvt=False, s_first=False):
+def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, packed_cvt=False):
     """A dense batch launches through the plan of its signature (``common.planned_launch``),
     a varlen one builds its arguments every call."""
     def build():
-        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, packed_cvt=packed_cvt,
-                           s_first=s_first)
+        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, packed_cvt=packed_cvt)
     key = None if pb.varlen else (
         "dq", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), dq.stride(),
-        q.dtype, q.get_device(), params, block_n, stages, packed_cvt, s_first, pb.seq_flags)
+        q.dtype, q.get_device(), params, block_n, stages, packed_cvt, pb.seq_flags)
     planned_launch(hopper_dq_kernel, key, (q, k, v, dout, dq, stat, delta), build)

@@ -58,22 +58,6 @@ def to_16bit(x, dtype: gl.constexpr, PACKED: gl.constexpr):
 
 
 @gluon.jit
-def block_split(x):
-    """Ends ptxas's basic block here (a branch over a ``nanosleep.u32 0`` taken unless the
-    cycle counter reads 7, harmless either way; ``x``: any tensor, one per thread is enough).
-    ptxas schedules within a basic block: the forward's P V wait (``wgmma.wait_group 0``)
-    follows the softmax in the PTX, but ptxas moves it, and the packs of P that write the
-    registers the in-flight P V wgmma reads, up among the exponentials, so a warpgroup's
-    softmax never ran under its own P V. With the split just before that wait, the
-    exponentials stay above it (``HopperFwdConfig.pv_overlap``; SASS: per key block 0 of 66
-    exponentials at 128 issued while a wgmma is in flight, 66 with the split)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 c; mov.u32 c, %clock; setp.ne.u32 p, c, 7; @p bra SPLIT_END; "
-        "nanosleep.u32 0; SPLIT_END: mov.b32 $0, 0; }",
-        "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def a_operand(buf, IN_REGISTERS: gl.constexpr, acc_layout: gl.constexpr):
     """A shared [M, K] tile as the A operand of wgmmas accumulating in ``acc_layout``:
     loaded once into registers (each wgmma then reads A there, not from shared memory) or

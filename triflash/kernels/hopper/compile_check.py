@@ -141,8 +141,6 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if cfg.dq_lag and atomic_dq:
         row["dq_lag"] = True
-    if cfg.s_first:
-        row["s_first"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
@@ -161,19 +159,16 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, packed_cvt: bool = False, s_first: bool = False) -> dict:
+               varlen: bool = False, packed_cvt: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring; ``varlen``: packed sequences; ``s_first``: S issued before dP."""
+    ``stages``-deep ring; ``varlen``: packed sequences."""
     from . import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt,
-                            s_first=s_first)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
                block_n=block_n, stages=stages)
     if varlen:
         row["varlen"] = True
-    if s_first:
-        row["s_first"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
 
 
@@ -237,10 +232,7 @@ def all_variants():
     ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
-    (``dq_lag``) and the forward rescaling O before P V (``rescale_early``); the 64 / 128 dK/dV
-    kernel and the dQ kernel with S^T issued before dP^T (``s_first``); the forward with
-    every consumer thread arriving on the free / turn barriers (``thread_arrives``), and with
-    a basic-block split before each P V wait (``pv_overlap``)."""
+    (``dq_lag``) and the forward rescaling O before P V (``rescale_early``)."""
     import dataclasses
 
     from .. import configs
@@ -268,23 +260,6 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
                              packed_cvt=c.packed_cvt))
-    for d in (64, 128, 256):  # every consumer thread arrives on the free / turn barriers
-        c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], thread_arrives=True)
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, thread_arrives=True))
-    for d in (64, 128, 256):  # a basic-block split before P V's wait (pv_overlap)
-        c = dataclasses.replace(configs.SM90_HOPPER_FWD[d], pv_overlap=True)
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_fwd(d, "bf16", f, cfg=c), packed_cvt=c.packed_cvt, pv_overlap=True))
-    for d in (64, 128):  # S^T before dP^T, P formed while dP^T runs (s_first)
-        c = dataclasses.replace(configs.SM90_HOPPER_BWD[d], s_first=True)
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=c), packed_cvt=c.packed_cvt))
-    for d in (128, 256):  # the same in the dQ kernel (s_first)
-        c = configs.SM90_HOPPER_BWD[d]
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=c.packed_cvt,
-                                        s_first=True), packed_cvt=c.packed_cvt))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))

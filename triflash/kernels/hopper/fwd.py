@@ -42,10 +42,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from ..common import ceil_div, n_block_range, scores, visible
 from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     a_operand, block_split, descriptor, kernel_head_dim, num_sms, persistent_walk, planned_launch,
+                     a_operand, descriptor, kernel_head_dim, num_sms, persistent_walk, planned_launch,
                      schedule_table, to_16bit)
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
@@ -146,26 +145,9 @@ def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr, ALL_ARRIVE: gl.constexpr = False):
+def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        _release(turns.index(1 - CID), ALL_ARRIVE)
-
-
-@gluon.jit
-def _release(bar, ALL_ARRIVE: gl.constexpr):
-    """A consumer's arrival on a ring slot's free barrier or on the other consumer's turn.
-    Gluon's ``mbarrier.arrive`` comes from one thread, so Triton's shared-memory barrier pass
-    puts a warpgroup ``bar.sync`` before it, and another between it and the next shared
-    access of any kind (it takes the arrive as touching all shared memory). With
-    ``ALL_ARRIVE`` (``configs.HopperFwdConfig.thread_arrives``) every thread arrives
-    (``cp.async.mbarrier.arrive.noinc``: an arrival per thread, the barriers initialized
-    with 128 per consumer), which the pass sees as a write to that barrier alone. The
-    releases follow the waits of the wgmmas that read the slot, so every read of it is
-    done; the turn carries no data."""
-    if ALL_ARRIVE:
-        async_copy.mbarrier_arrive(bar, increment_count=False)
-    else:
-        mbarrier.arrive(bar)
+        mbarrier.arrive(turns.index(1 - CID))
 
 
 @gluon.jit
@@ -197,18 +179,18 @@ def _own_blocks(row_start, len_q, len_k, window_left, window_right, n_min, n_ful
 
 @gluon.jit
 def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.constexpr, CID: gl.constexpr,
-               PINGPONG: gl.constexpr, ALL_ARRIVE: gl.constexpr = False):
+               PINGPONG: gl.constexpr):
     """A key block none of this consumer's rows sees: its turn is taken and passed, its ring
     slot waited for (an arrival must not count toward the slot's previous phase) and
     released."""
     stage = g % STAGES
     phase = (g // STAGES) & 1
     _take_turn(turns, turn, CID, PINGPONG)
-    _pass_turn(turns, CID, PINGPONG, ALL_ARRIVE)
+    _pass_turn(turns, CID, PINGPONG)
     mbarrier.wait(k_ready.index(stage), phase)
-    _release(k_free.index(stage), ALL_ARRIVE)
+    mbarrier.arrive(k_free.index(stage))
     mbarrier.wait(v_ready.index(stage), phase)
-    _release(v_free.index(stage), ALL_ARRIVE)
+    mbarrier.arrive(v_free.index(stage))
 
 
 @gluon.jit
@@ -218,18 +200,14 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
-              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False, ALL_ARRIVE: gl.constexpr = False,
-              PV_OVERLAP: gl.constexpr = False):
+              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
     registers (``Q_REGS``). ``RESCALE_EARLY``: O is rescaled by the previous block's
     ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
     order at head dims above 128), instead of after that wgmma retires. The block's alpha
-    is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``). ``ALL_ARRIVE``:
-    every thread arrives on the free and turn barriers (``_release``). ``PV_OVERLAP``: a
-    basic-block split before P V's wait, so that ptxas keeps the softmax under that wgmma
-    (``common.block_split``)."""
+    is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
@@ -245,17 +223,15 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout)), 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
-    _pass_turn(turns, CID, PINGPONG, ALL_ARRIVE)
+    _pass_turn(turns, CID, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
-    _release(k_free.index(stage), ALL_ARRIVE)
+    mbarrier.arrive(k_free.index(stage))
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
                                          MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-    if PV_OVERLAP:  # (the softmax above stays above P V's wait: common.block_split)
-        block_split(m_i)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
-    _release(v_free.index(prev), ALL_ARRIVE)
+    mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
@@ -273,8 +249,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, ALL_ARRIVE: gl.constexpr = False,
-                  PV_OVERLAP: gl.constexpr = False):
+                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -314,7 +289,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for it in range(0, lead):
                 _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it, STAGES, CID,
-                           PINGPONG, ALL_ARRIVE)
+                           PINGPONG)
         else:  # the tile's range for every consumer
             lead: gl.constexpr = 0
             end = count
@@ -331,9 +306,9 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             s_tok = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
-            _pass_turn(turns, CID, PINGPONG, ALL_ARRIVE)
+            _pass_turn(turns, CID, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
-            _release(k_free.index(stage), ALL_ARRIVE)
+            mbarrier.arrive(k_free.index(stage))
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
@@ -354,7 +329,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, ALL_ARRIVE, PV_OVERLAP)
+                        alpha, RESCALE_EARLY)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -363,20 +338,20 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             _take_turn(turns, turn + end, CID, PINGPONG)
             mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
             o_tok = warpgroup_mma(p_prev, v_ring.index(last), o_acc, is_async=True)
-            _pass_turn(turns, CID, PINGPONG, ALL_ARRIVE)
+            _pass_turn(turns, CID, PINGPONG)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
-            _release(v_free.index(last), ALL_ARRIVE)
+            mbarrier.arrive(v_free.index(last))
             if OWN_BLOCKS and HAS_LEFT:  # blocks left of its rows' window
                 for it in range(end, count):
                     _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it + 1,
-                               STAGES, CID, PINGPONG, ALL_ARRIVE)
+                               STAGES, CID, PINGPONG)
             if not OWN_BLOCKS:
                 turn += count + 1
         if OWN_BLOCKS:
             if count > 0:
                 if end == lead:  # (every block skipped: one more turn, so both take count + 1)
                     _take_turn(turns, turn + count, CID, PINGPONG)
-                    _pass_turn(turns, CID, PINGPONG, ALL_ARRIVE)
+                    _pass_turn(turns, CID, PINGPONG)
                 turn += count + 1
         kv_base += count
 
@@ -407,8 +382,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, ALL_ARRIVE: gl.constexpr = False,
-                      PV_OVERLAP: gl.constexpr = False):
+                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -434,16 +408,14 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=NUM_CONSUMERS)
-    # ALL_ARRIVE: every consumer thread arrives on the free and turn barriers (_release)
-    ARRIVALS: gl.constexpr = 128 if ALL_ARRIVE else 1
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=NUM_CONSUMERS * ARRIVALS)
-        mbarrier.init(v_free.index(i), count=NUM_CONSUMERS * ARRIVALS)
+        mbarrier.init(k_free.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=ARRIVALS)
-    mbarrier.arrive(turns.index(0), count=ARRIVALS)  # consumer 0 issues first
+        mbarrier.init(turns.index(i), count=1)
+    mbarrier.arrive(turns.index(0))  # consumer 0 issues first
 
     # (Gluon takes each partition's arguments spelled out: a shared tuple would turn the
     # constexprs into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
@@ -457,7 +429,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, ALL_ARRIVE, PV_OVERLAP)),
+                          OWN_BLOCKS, RESCALE_EARLY)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -466,7 +438,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, ALL_ARRIVE, PV_OVERLAP)),
+                          OWN_BLOCKS, RESCALE_EARLY)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -475,7 +447,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, ALL_ARRIVE, PV_OVERLAP)),
+                          OWN_BLOCKS, RESCALE_EARLY)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -493,7 +465,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, ALL_ARRIVE, PV_OVERLAP)),
+                          OWN_BLOCKS, RESCALE_EARLY)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -502,7 +474,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, ALL_ARRIVE, PV_OVERLAP)),
+                          OWN_BLOCKS, RESCALE_EARLY)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -554,8 +526,16 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
-            cfg.q_regs, cfg.own_blocks, cfg.rescale_early, cfg.thread_arrives, cfg.pv_overlap]
+            cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params)]
     return grid, args
+
+
+def rescale_early(cfg, params) -> bool:
+    """O rescaled before P V is issued (``RESCALE_EARLY``): where the tile says
+    ``rescale_early``, or ``rescale_early_unmasked`` and the launch has no causal / window
+    mask and no softcap."""
+    plain = params.window_left < 0 and params.window_right < 0 and params.softcap == 0.0
+    return cfg.rescale_early or (cfg.rescale_early_unmasked and plain)
 
 
 def walk(cfg, params, pb, num_tiles) -> str:
