@@ -401,6 +401,53 @@ def test_hopper_bwd256_timeline_probe(causal, monkeypatch):
     assert torch.equal(t[:, 3], m_blocks - n if causal else torch.full_like(n, m_blocks))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_bwd_step_timeline_probe(d, causal, monkeypatch):
+    """The 64 / 128 dK/dV kernel's per-step ``timeline`` probe (scripts/bwd_timeline.py --steps)
+    stamps each warpgroup's first query-block steps at all eight points in order, one step
+    after the other, leaves the slots of steps it did not run untouched, counts each CTA's
+    steps, and changes no bit of dK / dV (dQ, added by TMA reduce-add in any order, to
+    within rounding)."""
+    import dataclasses
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd as hbwd
+    b, s, h = 2, 1000, 4
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def run():
+        with triflash.force_backend("hopper"):
+            out = triflash.flash_attn_func(q, k, v, causal=causal)
+            return torch.autograd.grad(out, (q, k, v), dout)
+    dispatched = run()
+    cfg = configs.SM90_HOPPER_BWD[d]
+    ctas = -(-s // cfg.block_n) * h * b  # (one partial wave: no split tiles)
+    buf = torch.full((ctas, hbwd.STEP_SLOTS), -1, dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(hbwd, "step_timeline_buffer", buf)
+    monkeypatch.setattr(hbwd, "step_points", 0xFF)
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(cfg, timeline=True))
+    probed = run()
+    torch.testing.assert_close(probed[0], dispatched[0], rtol=2 ** -7, atol=2 ** -9)
+    assert torch.equal(probed[1], dispatched[1]) and torch.equal(probed[2], dispatched[2])
+    t = buf.cpu()
+    steps = t[:, 3]
+    m_blocks = -(-s // 64)
+    assert (steps > 0).all() and (steps <= m_blocks).all()
+    if not causal:
+        assert (steps == m_blocks).all()
+    st = t[:, 4:].view(ctas, 2, hbwd.STEP_STEPS, hbwd.STEP_POINTS)
+    for c in range(ctas):
+        n = min(int(steps[c]), hbwd.STEP_STEPS)
+        run_ = st[c, :, :n]
+        assert (run_ > 0).all(), c
+        assert (run_[:, :, 1:] >= run_[:, :, :-1]).all(), c
+        assert (run_[:, 1:, 0] >= run_[:, :-1, 7]).all(), c
+        assert (st[c, :, n:] == -1).all(), c
+
+
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_hopper_bwd_reproducible(d):
     """deterministic=True is bitwise reproducible at every head dim; so is deterministic=False

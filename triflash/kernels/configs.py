@@ -174,8 +174,10 @@ class HopperBwdConfig:
     # that the S^T warpgroup starts without waiting for V, ``early_q``: seed 440.9 -> 441.9 /
     # 425.6 -> 423.9, 16x1024x8x256 368.3 -> 370.6 / 290.0 -> 292.9, within the rounds'
     # spread; probes/bwd-probe-rounds-d256-944291a.json.)
-    # Probe instrumentation, never dispatched (head dim 256, dense, with tma_epilogue): per-CTA
-    # clock stamps into ``hopper.bwd256.timeline_buffer`` (scripts/bwd_timeline.py).
+    # Probe instrumentation, never dispatched: at 256 (dense, with tma_epilogue) per-CTA clock
+    # stamps into ``hopper.bwd256.timeline_buffer``; at 64 / 128 (hopper/bwd.py, session 21)
+    # per-step stamps of each warpgroup into ``hopper.bwd.step_timeline_buffer``
+    # (scripts/bwd_timeline.py, --steps for the latter).
     timeline: bool = False
     # The first ``reg_a`` (0, 1, 2) of each consumer warpgroup's two 64 x 128 A-operand tiles
     # held in registers instead of read from shared memory by every query block's wgmmas

@@ -154,6 +154,9 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     split = (cfg.tail_split, 0, torch.empty(1)) if atomic_dq and cfg.tail_split > 1 else None
     if split:
         row["tail_split"] = cfg.tail_split
+    if cfg.timeline:  # the step probe's buffer (only its dtype specializes the kernel)
+        B.step_timeline_buffer = torch.empty(1 << 20, dtype=torch.int64)
+        row["timeline"] = True
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq, split)
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
@@ -229,7 +232,8 @@ def all_variants():
     P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time since session 13)
     in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
     register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
-    ``timeline`` probe stamps, and with K / V read from shared memory (``reg_a`` 0). Every
+    ``timeline`` probe stamps (and the 128 dK/dV kernel with its per-step ones), and with K / V
+    read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
     (``dq_lag``) and the forward rescaling O before P V (``rescale_early``)."""
@@ -263,6 +267,9 @@ def all_variants():
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
+        c = configs.SM90_HOPPER_BWD[128]  # the 64 / 128 kernel's per-step stamps
+        rows.append(dict(compile_bwd(128, "bf16", f, True, cfg=dataclasses.replace(c, timeline=True)),
+                         packed_cvt=c.packed_cvt))
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, reg_a=0)),
                          packed_cvt=b256.packed_cvt, reg_a=0))
     return rows
