@@ -286,12 +286,16 @@ def test_tile_variants_compile_for_sm90a():
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_lag")} == {
         (d, f) for d in (64, 128) for f in ("plain", "causal")}
+    assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_early")} == {
+        (d, f) for d in (64, 128) for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
         elif r.get("timeline") and r["kernel"] == "hopper_bwd":
             budget = HOPPER_BWD_TIMELINE_SPILL_BUDGET
+        elif r.get("dq_early"):  # (as the dispatched in-kernel dQ: 104 / 96 B at 128, session 21)
+            budget = HOPPER_BWD_ATOMIC_SPILL_BUDGET
         elif r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):

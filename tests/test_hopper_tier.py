@@ -268,8 +268,9 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 
 # Backward options (HopperBwdConfig): ``dq_lag`` (each query block's dQ added one block
 # later, four dS^T slots, a zero block first; dispatched at 64 since session 20, tested here
-# at 128 too).
-BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True)}
+# at 128 too) and ``dq_early`` (dQ's wgmmas before dK's, dQ reduced while dK runs; session
+# 21, not dispatched; at 64 with dq_lag as dispatched there).
+BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "dq_early": dict(dq_early=True)}
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],

@@ -217,6 +217,13 @@ class HopperBwdConfig:
     dq_lag: bool = False
     # (Session 19's ``dq_alt``, the warpgroups taking turns at whole dQ row blocks, measured
     # in session 20: 128 541.2 -> 525.0 / 503.6 -> 487.9, 64 below ``dq_lag``: removed.)
+    # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued before its dK
+    # wgmma, so that they retire first and the warpgroup stages and reduces its dQ slice while
+    # dK's wgmma runs (today dQ is issued last and reduced after every wgmma of the step has
+    # retired). FA4's sm90 backward orders them this way (dV, both warpgroups' dS^T, dQ, wait
+    # for dV, dK, wait for dQ, stage dQ, wait for dK). Built in session 21 on the CPU, not
+    # yet run.
+    dq_early: bool = False
     # (Measured and removed in session 21: ``s_first``, S^T issued before dP^T, both
     # zero-initialized, one wait for S^T alone so that P's exponentials run under dP^T
     # (FA4's sm90 order), Delta subtracted after; five interleaved rounds: 128 543.5 -> 521.1

@@ -156,13 +156,15 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr,
-              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, TL=None, TIMELINE: gl.constexpr = 0):
+              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, TL=None, TIMELINE: gl.constexpr = 0,
+              DQ_EARLY: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
     returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
     ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
     ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the S^T / dP^T wgmmas' A
     operands, shared tiles or registers (``REG_A``). ``TIMELINE``: clock stamps at the step's
-    points 0-7 (``_step_stamp``)."""
+    points 0-7 (``_step_stamp``). ``DQ_EARLY``: dQ's wgmmas issued before dK's and dQ reduced
+    while dK's runs (``configs.HopperBwdConfig.dq_early``)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -243,6 +245,24 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
+    if ATOMIC_DQ and DQ_EARLY:
+        # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
+        # and reduces dQ while dK's wgmma runs. Stamps: 5 dV and dQ retired, 6 dQ handed to
+        # the reduce, 7 dK retired.
+        if DQ_LAG:
+            dq_tok = _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
+        else:
+            dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
+        _step_stamp(TL, C, it, 4, TIMELINE)
+        dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
+        _step_stamp(TL, C, it, 5, TIMELINE)
+        _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
+        _step_stamp(TL, C, it, 6, TIMELINE)
+        dk = warpgroup_mma_wait(0, deps=(dk_tok,))
+        mbarrier.arrive(free.index(stage))
+        _step_stamp(TL, C, it, 7, TIMELINE)
+        return dk, dv
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
     if ATOMIC_DQ:
         if DQ_LAG:  # block it - 1's dQ: both of its dS^T tiles are written (waited above)
@@ -261,14 +281,21 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     if ATOMIC_DQ:
         dq = warpgroup_mma_wait(0, deps=(dq_tok,))
         _step_stamp(TL, C, it, 6, TIMELINE)
-        if DQ_LAG:
-            if it > 0:  # (the first step's is the zero block's)
-                first = (m == m_min).to(gl.int32)
-                _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
-        else:
-            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
+        _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
     _step_stamp(TL, C, it, 7, TIMELINE)
     return dk, dv
+
+
+@gluon.jit
+def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.constexpr, DQ_LAG: gl.constexpr):
+    """A step's dQ slice into dq_accum (``_dq_reduce``): query block ``m`` of ``head``, or
+    with ``DQ_LAG`` the block before (the last of the head before for the head's first)."""
+    if DQ_LAG:
+        if it > 0:  # (the first step's is the zero block's)
+            first = (m == m_min).to(gl.int32)
+            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
+    else:
+        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
 
 
 @gluon.jit
@@ -394,7 +421,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
                   REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                  TL=None, TIMELINE: gl.constexpr = 0):
+                  TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -438,7 +465,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
                                    STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
-                                   m_min, m_max, DQ_LAG, TL, TIMELINE)
+                                   m_min, m_max, DQ_LAG, TL, TIMELINE, DQ_EARLY)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -500,7 +527,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       PACKED_CVT: gl.constexpr, REG_A: gl.constexpr,
                       n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                      TL=None, TIMELINE: gl.constexpr = 0):
+                      TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -571,7 +598,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -579,7 +606,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -655,7 +682,8 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
             cfg.dq_lag and atomic_dq,  # DQ_LAG
             _step_timeline(pb, cfg, pieces, n_full) if cfg.timeline else None,  # TL
-            step_points if cfg.timeline else 0]  # TIMELINE
+            step_points if cfg.timeline else 0,  # TIMELINE
+            cfg.dq_early and atomic_dq]  # DQ_EARLY
 
 
 # Probe instrumentation (``HopperBwdConfig.timeline`` at 64 / 128, never dispatched;

@@ -141,6 +141,8 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if cfg.dq_lag and atomic_dq:
         row["dq_lag"] = True
+    if cfg.dq_early and atomic_dq:
+        row["dq_early"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
@@ -236,7 +238,8 @@ def all_variants():
     read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
-    (``dq_lag``) and the forward rescaling O before P V (``rescale_early``)."""
+    (``dq_lag``), with its dQ wgmmas before dK's (``dq_early``), and the forward rescaling O
+    before P V (``rescale_early``)."""
     import dataclasses
 
     from .. import configs
@@ -263,6 +266,11 @@ def all_variants():
         c = configs.SM90_HOPPER_BWD[d]
         for f in ("plain", "causal"):
             rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
+                             packed_cvt=c.packed_cvt))
+    for d in (64, 128):  # dQ's wgmmas before dK's, dQ reduced while dK runs (dq_early)
+        c = configs.SM90_HOPPER_BWD[d]
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_early=True)),
                              packed_cvt=c.packed_cvt))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
