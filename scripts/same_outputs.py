@@ -10,7 +10,6 @@ the dispatched tile, then with each override spec (as ``hopper_probe.py --config
     python scripts/same_outputs.py --variants "q_regs=0;own_blocks=0"
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -22,17 +21,7 @@ import torch  # noqa: E402
 import triflash  # noqa: E402
 from triflash.kernels import configs  # noqa: E402
 
-
-def _with(spec):
-    """SM90_HOPPER_FWD with 'a=1,b=0' applied to every head dim."""
-    table = dict(configs.SM90_HOPPER_FWD)
-    if spec:
-        kw = {}
-        for item in spec.split(","):
-            key, val = item.split("=")
-            kw[key] = type(getattr(table[128], key))(int(val))
-        table = {d: dataclasses.replace(c, **kw) for d, c in table.items()}
-    return table
+from hopper_probe import _apply_overrides  # noqa: E402  (scripts/ is sys.path[0])
 
 
 def main():
@@ -50,7 +39,8 @@ def main():
             configs.SM90_HOPPER_FWD.update(base)
             ref = triflash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
             for spec in args.variants.split(";"):
-                configs.SM90_HOPPER_FWD.update(_with(spec))
+                configs.SM90_HOPPER_FWD.update(base)
+                _apply_overrides(spec)  # (every head dim's tile)
                 out = triflash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
                 same = all(torch.equal(a, b) for a, b in zip(ref[:2], out[:2]))
                 bad += not same

@@ -72,9 +72,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import configs, portable
 from . import bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
-from .common import (Problem, clock, global_ns, sm_id, _acc_layout, _key_tile_at, _store_rows, _tma_view, a_operand, descriptor, kernel_head_dim,
-                     launch, num_sms, planned_launch, stat_descriptor, stat_row0, stat_rows, tma_compatible,
-                     tma_reduce_add, to_16bit)
+from .common import (Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view, a_operand, clock, descriptor,
+                     global_ns, kernel_head_dim, launch, num_sms, planned_launch, sm_id, stat_descriptor, stat_row0,
+                     stat_rows, tma_compatible, tma_reduce_add, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 BLOCK_M = 64             # query rows per streamed Q / dO tile
@@ -249,10 +249,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
         # and reduces dQ while dK's wgmma runs. Stamps: 5 dV and dQ retired, 6 dQ handed to
         # the reduce, 7 dK retired.
-        if DQ_LAG:
-            dq_tok = _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
-        else:
-            dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
+        dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
         _step_stamp(TL, C, it, 4, TIMELINE)
         dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
@@ -265,10 +262,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         return dk, dv
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
     if ATOMIC_DQ:
-        if DQ_LAG:  # block it - 1's dQ: both of its dS^T tiles are written (waited above)
-            dq_tok = _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
-        else:
-            dq_tok = _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
+        dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
         _step_stamp(TL, C, it, 4, TIMELINE)
         dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
     else:
@@ -284,6 +278,17 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
     _step_stamp(TL, C, it, 7, TIMELINE)
     return dk, dv
+
+
+@gluon.jit
+def _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM: gl.constexpr, C: gl.constexpr, DQ_LAG: gl.constexpr):
+    """The async dQ wgmmas of step ``it``: with ``DQ_LAG`` those of block it - 1 (both of its
+    dS^T tiles are written: waited for before this step's dS^T store), else this block's once
+    both warpgroups' dS^T of ``slot`` are written (``_dq_issue``)."""
+    if DQ_LAG:
+        return _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
+    else:
+        return _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
 
 
 @gluon.jit
@@ -310,10 +315,16 @@ def _step_stamp(TL, C: gl.constexpr, it, point: gl.constexpr, TIMELINE: gl.const
 
 
 @gluon.jit
+def _cta_row(TL):
+    """This CTA's row of ``STEP_SLOTS`` in ``TL`` (CTAs in grid order, axis 0 fastest)."""
+    cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+    return TL + cta.to(gl.int64) * _STEP_SLOTS
+
+
+@gluon.jit
 def _step_row(TL, C: gl.constexpr):
     """Where warpgroup ``C``'s step stamps start in this CTA's row of ``TL``."""
-    cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    return TL + cta.to(gl.int64) * _STEP_SLOTS + 4 + C * _STEP_STEPS * _STEP_POINTS
+    return _cta_row(TL) + 4 + C * _STEP_STEPS * _STEP_POINTS
 
 
 @gluon.jit
@@ -553,8 +564,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     if SPLIT > 1:
         m_min, m_full_min, m_full_max, m_max = _piece(m_min, m_full_min, m_full_max, m_max, piece, pieces)
     if TIMELINE != 0:  # (the row's header: SM, global ns and clock at entry, query-block steps)
-        cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-        row = TL + cta.to(gl.int64) * _STEP_SLOTS
+        row = _cta_row(TL)
         gl.store(row, sm_id().to(gl.int64))
         gl.store(row + 1, global_ns())
         gl.store(row + 2, clock())
