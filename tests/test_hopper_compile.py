@@ -114,8 +114,8 @@ HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
 # The in-kernel dQ one block later (dq_lag, session 18, dispatched at 64), bf16: 64 spills
 # nothing (window + softcap 56 B); 128 plain 88 B (none inside the query-block loops,
 # SASS), causal 500 B (some in them: 12-15 spill instructions per masked block of one
-# warpgroup).
-HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 512}
+# warpgroup). With dq_early (dispatched at 128 since session 22) 128 plain 52 B, causal 668 B.
+HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128, and at 256
 # without a mask since session 21: 256 spills nothing there), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
@@ -276,7 +276,9 @@ def test_tile_variants_compile_for_sm90a():
     above); the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps, and with K / V
     read from shared memory (``reg_a`` 0, dispatched before session 14). (The head-dim-64 dK/dV
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs``, variants in session 14,
-    are dispatched since session 15: the tests above compile them in every form.)"""
+    are dispatched since session 15: the tests above compile them in every form.) The 64 / 128
+    dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value."""
+    from triflash.kernels import configs
     rows = _compiled("variants")
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     assert {(r["kernel"], r["feature"]) for r in rows if r.get("timeline")} == {
@@ -284,17 +286,16 @@ def test_tile_variants_compile_for_sm90a():
     assert {r["feature"] for r in rows if r.get("reg_a") == 0} == {"plain", "causal"}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("rescale_early")} == {
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
-    assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_lag")} == {
-        (d, f) for d in (64, 128) for f in ("plain", "causal")}
-    assert {(r["headdim"], r["feature"]) for r in rows if r.get("dq_early")} == {
-        (d, f) for d in (64, 128) for f in ("plain", "causal")}
+    assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
+        (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag", "dq_early")
+        for d in (64, 128) for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
         elif r.get("timeline") and r["kernel"] == "hopper_bwd":
             budget = HOPPER_BWD_TIMELINE_SPILL_BUDGET
-        elif r.get("dq_early"):  # (as the dispatched in-kernel dQ: 104 / 96 B at 128, session 21)
+        elif r["kernel"] == "hopper_bwd":  # the in-kernel dQ's budget (dq_early either way)
             budget = HOPPER_BWD_ATOMIC_SPILL_BUDGET
         elif r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET

@@ -266,11 +266,11 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
                            pt, softcap)
 
 
-# Backward options (HopperBwdConfig): ``dq_lag`` (each query block's dQ added one block
-# later, four dS^T slots, a zero block first; dispatched at 64 since session 20, tested here
-# at 128 too) and ``dq_early`` (dQ's wgmmas before dK's, dQ reduced while dK runs; session
-# 21, not dispatched; at 64 with dq_lag as dispatched there).
-BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "dq_early": dict(dq_early=True)}
+# Backward options (HopperBwdConfig), each flipped from its dispatched value: ``dq_lag``
+# (each query block's dQ added one block later, four dS^T slots, a zero block first;
+# dispatched at 64 since session 20) and ``dq_early`` (dQ's wgmmas before dK's, dQ reduced
+# while dK runs; dispatched at 64 and 128 since session 22).
+BWD_DQ_OPTIONS = ("dq_lag", "dq_early")
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
@@ -278,14 +278,15 @@ BWD_DQ_OPTIONS = {"dq_lag": dict(dq_lag=True), "dq_early": dict(dq_early=True)}
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("option,d", [(o, d) for o in BWD_DQ_OPTIONS for d in (64, 128)])
 def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
-    """A backward option (``BWD_DQ_OPTIONS``) on, against the fp32 reference: GQA / MQA groups (the
+    """A backward option (``BWD_DQ_OPTIONS``) flipped from its dispatched value, against the fp32
+    reference (the dispatched tiles are tested everywhere else): GQA / MQA groups (the
     block before a head's first is the last of the head before; the turns run on across a
     group's heads), key tiles no query block visits (777 x 2048, left window), an odd count
     of blocks, a single block."""
     import dataclasses
     from triflash.kernels import configs
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d],
-                                                                          **BWD_DQ_OPTIONS[option]))
+    cfg = configs.SM90_HOPPER_BWD[d]
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(cfg, **{option: not getattr(cfg, option)}))
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
     with triflash.force_backend("hopper"):

@@ -221,8 +221,12 @@ class HopperBwdConfig:
     # wgmma, so that they retire first and the warpgroup stages and reduces its dQ slice while
     # dK's wgmma runs (today dQ is issued last and reduced after every wgmma of the step has
     # retired). FA4's sm90 backward orders them this way (dV, both warpgroups' dS^T, dQ, wait
-    # for dV, dK, wait for dQ, stage dQ, wait for dK). Built in session 21 on the CPU, not
-    # yet run.
+    # for dV, dK, wait for dQ, stage dQ, wait for dK). Measured (session 22, five
+    # interleaved rounds beside cuDNN, probes/bwd-probe-rounds-d{64,128}-df641a1.json,
+    # TFLOPS medians off -> on): 128 2x8192x16 529.1 -> 534.6 / 492.6 -> 498.9 (cuDNN
+    # 524.9 / 479.2), 64 2x8192x32 (with dq_lag) 450.4 -> 451.8 / 428.7 -> 435.8 (cuDNN
+    # 435.4 / 396.5); faster in every paired round that neither side lost to the card's
+    # noise. Dispatched at 64 and 128.
     dq_early: bool = False
     # (Measured and removed in session 21: ``s_first``, S^T issued before dP^T, both
     # zero-initialized, one wait for S^T alone so that P's exponentials run under dP^T
@@ -336,8 +340,8 @@ SM90_HOPPER_FWD = {
 # separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
-                        tail_split=0, dq_lag=True),
-    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0),
+                        tail_split=0, dq_lag=True, dq_early=True),
+    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0, dq_early=True),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.

@@ -237,9 +237,9 @@ def all_variants():
     ``timeline`` probe stamps (and the 128 dK/dV kernel with its per-step ones), and with K / V
     read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
-    left to the MUFU. Also the 64 / 128 dK/dV kernel with its dQ one block later
-    (``dq_lag``), with its dQ wgmmas before dK's (``dq_early``), and the forward rescaling O
-    before P V (``rescale_early``)."""
+    left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
+    and ``dq_early`` (its dQ wgmmas before dK's) each flipped from the dispatched value (row
+    key ``option``), and the forward rescaling O before P V (``rescale_early``)."""
     import dataclasses
 
     from .. import configs
@@ -262,16 +262,15 @@ def all_variants():
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_FWD[d],
                                                                                 rescale_early=True)),
                              packed_cvt=configs.SM90_HOPPER_FWD[d].packed_cvt, rescale_early=True))
-    for d in (64, 128):  # the in-kernel dQ one block later (dq_lag)
-        c = configs.SM90_HOPPER_BWD[d]
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_lag=True)),
-                             packed_cvt=c.packed_cvt))
-    for d in (64, 128):  # dQ's wgmmas before dK's, dQ reduced while dK runs (dq_early)
-        c = configs.SM90_HOPPER_BWD[d]
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, dq_early=True)),
-                             packed_cvt=c.packed_cvt))
+    # the 64 / 128 dK/dV kernel with each dQ-order option flipped from its dispatched value:
+    # the in-kernel dQ one block later (dq_lag) and dQ's wgmmas before dK's (dq_early)
+    for opt in ("dq_lag", "dq_early"):
+        for d in (64, 128):
+            c = configs.SM90_HOPPER_BWD[d]
+            value = not getattr(c, opt)
+            for f in ("plain", "causal"):
+                rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, **{opt: value})),
+                                 packed_cvt=c.packed_cvt, option=f"{opt}={int(value)}"))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
