@@ -296,6 +296,88 @@ def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d,deterministic", [(256, False), (192, False), (128, True), (64, True)])
+def test_hopper_bwd_dq_stream_same_bits(d, deterministic, mask, shape, monkeypatch):
+    """``dq_stream`` flipped from its dispatched value (the separate dQ kernel on a side stream
+    beside the dK/dV kernel, or after it on the caller's stream) changes when the dQ kernel
+    runs, not what it computes: dense and varlen gradients bit for bit as before (no atomics
+    in either kernel here), against the fp32 reference too, and none of them read before
+    the caller's stream has waited for the side stream (the outputs are used at once)."""
+    import dataclasses
+    from triflash.kernels import configs
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    g = torch.Generator(device="cuda").manual_seed(d + sk + 7)
+    q, k, v = (torch.randn(2, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for n, heads in ((sq, h), (sk, hk), (sk, hk)))
+    dout = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, window_size=window, softcap=softcap, deterministic=deterministic)
+
+    def run():
+        with triflash.force_backend("hopper"):
+            out = triflash.flash_attn_func(q, k, v, **kw)
+            dense = torch.autograd.grad(out, (q, k, v), dout)
+            flat = [x.detach().flatten(0, 1).requires_grad_() for x in (q, k, v)]
+            out = triflash.flash_attn_varlen_func(*flat, cu_q, cu_k, sq, sk, **kw)
+            varlen = torch.autograd.grad(out, flat, dout.flatten(0, 1))
+            return [x.clone() for x in dense + varlen]  # copies made on the caller's stream
+    tile = 256 if d == 192 else d
+    cfg = configs.SM90_HOPPER_BWD[tile]
+    plain = run()
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile, dataclasses.replace(cfg, dq_stream=not cfg.dq_stream))
+    flipped = run()
+    for name, a, b in zip(("dq", "dk", "dv", "dq varlen", "dk varlen", "dv varlen"), plain, flipped):
+        assert torch.equal(a, b), name
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, deterministic=deterministic)
+
+
+def test_hopper_bwd_dq_stream_graph(monkeypatch):
+    """The backward with ``dq_stream`` on, captured in a CUDA graph (the side stream forks
+    from and joins the capturing stream) replays to the eager gradients on fresh inputs."""
+    import dataclasses
+    from triflash.kernels import configs
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(configs.SM90_HOPPER_BWD[256],
+                                                                            dq_stream=True))
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.empty(2, 700, 4, 256, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    dout = torch.empty(2, 700, 4, 256, device="cuda", dtype=torch.bfloat16)
+
+    def fill():
+        with torch.no_grad():
+            for t in (q, k, v, dout):
+                t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=t.dtype))
+
+    def step():
+        with triflash.force_backend("hopper"):
+            out = triflash.flash_attn_func(q, k, v, causal=True)
+            return torch.autograd.grad(out, (q, k, v), dout)
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):
+        fill()
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, got, want in zip(("dq", "dk", "dv"), captured, step()):
+            assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d,reg_a", [(64, 1), (64, 2), (192, 1), (256, 1)])  # (256 with 2 spills: measured, dropped)
 def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
     """The dK/dV kernels' ``reg_a`` (K / V tiles as the S^T / dP^T wgmmas' A operand from

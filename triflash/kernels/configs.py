@@ -143,6 +143,12 @@ class HopperBwdConfig:
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
+    # The separate dQ kernel (head dim 256, deterministic=True, varlen) launched on a side
+    # stream right after the dK/dV kernel instead of after it on the caller's stream: the
+    # two read the same inputs and write different outputs, so the dQ kernel's CTAs fill
+    # the SMs that the dK/dV kernel's last, partial wave leaves idle (and its ramp-down);
+    # the caller's stream waits for both. Built in session 22.
+    dq_stream: bool = False
     # (Persistent dQ and head-dim-256 dK/dV kernels, walking tiles on the host's
     # longest-first schedule under a mask, were built in session 10 and measured in session
     # 11: correct, within noise of one CTA per tile (seed 424.5 -> 425.7 / 424.0 TFLOPS,

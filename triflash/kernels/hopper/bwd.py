@@ -59,6 +59,7 @@ the lse_log2 / Delta buffers give each sequence its own padded rows (``common.st
 and dK / dV leave by masked stores (``common._store_rows``) where a TMA box would run into
 the next sequence.
 """
+import contextlib
 import functools
 
 import torch
@@ -787,6 +788,12 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
 
     q4, k4, v4, do4, dk4, dv4 = (pb.view(x) for x in (q, k, v, dout, dk, dv))
     atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen
+    # the Gluon dQ kernel beside the dK/dV kernel on a side stream (cfg.dq_stream): the side
+    # stream waits for the statistics only, the caller's stream for both kernels at the end
+    dq_side = (_side_stream(q.device) if cfg.dq_stream and (cfg.gluon_dq or pb.varlen)
+               and (d in SPLIT_D_HEAD_DIMS or not atomic_dq) else None)
+    if dq_side is not None:
+        dq_side.wait_stream(torch.cuda.current_stream(q.device))
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
     n_tiles = grid[0] * grid[1] * grid[2]
     pieces, n_split = 1, 0  # the last wave's n_split tiles in pieces (tail_pieces)
@@ -823,8 +830,11 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
             _scale_into(dq, dq_accum, params.softmax_scale)
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
-            bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
-                          cfg.dq_stages, cfg.packed_cvt)
+            with torch.cuda.stream(dq_side) if dq_side is not None else contextlib.nullcontext():
+                bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, cfg.dq_block_n,
+                              cfg.dq_stages, cfg.packed_cvt)
+            if dq_side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(dq_side)
             if dq_out is not dq:
                 dq.copy_(dq_out)
             return _finish(dq, dk, dk_out, dv, dv_out)
@@ -834,6 +844,18 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
                            s, params, configs.SM90_BWD[d],
                            portable._common_flags(q, v, params, upcast=False))
     return _finish(dq, dk, dk_out, dv, dv_out)
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    """The stream the dQ kernel runs on beside the dK/dV kernel (``HopperBwdConfig.dq_stream``),
+    one per device, made on first use (before any CUDA-graph capture of it, by a warm-up)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def tail_pieces(n_tiles: int, n_sm: int) -> int:
