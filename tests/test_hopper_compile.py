@@ -97,6 +97,7 @@ HOPPER_BWD_SPILL_BUDGET = {
 # 9878a6e: plain 104 B, causal 96 B, window + softcap 636 B, almost all of it outside the
 # query-block loop (prologue stores, epilogue loads). It ran 1.10x / 1.15x the separate-dQ
 # backward (benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json).
+# With dq_early (dispatched in session 22): plain 52 B, causal 96 B, window + softcap 528 B.
 # At 64 with the dQ one block later (dq_lag, dispatched in session 20): plain and causal
 # spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
 # to the window bounds and the tanh terms).

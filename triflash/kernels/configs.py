@@ -147,7 +147,10 @@ class HopperBwdConfig:
     # stream right after the dK/dV kernel instead of after it on the caller's stream: the
     # two read the same inputs and write different outputs, so the dQ kernel's CTAs fill
     # the SMs that the dK/dV kernel's last, partial wave leaves idle (and its ramp-down);
-    # the caller's stream waits for both. Built in session 22.
+    # the caller's stream waits for both. Measured (session 22, five interleaved rounds
+    # beside cuDNN, probes/bwd-probe-rounds-d256-146cd3e.json, TFLOPS medians off -> on):
+    # seed 441.6 -> 444.5 / 431.9 -> 427.8, 16x1024x8 375.9 -> 379.1 / 295.1 -> 302.4: no
+    # gain at the seed causal, the case issue #5 still needs; off.
     dq_stream: bool = False
     # (Persistent dQ and head-dim-256 dK/dV kernels, walking tiles on the host's
     # longest-first schedule under a mask, were built in session 10 and measured in session
