@@ -787,11 +787,11 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     stat, delta = stats(pb, out, dout, lse)
 
     q4, k4, v4, do4, dk4, dv4 = (pb.view(x) for x in (q, k, v, dout, dk, dv))
-    atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen
+    # (head dim 256: dQ always by the separate kernel)
+    atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen and d not in SPLIT_D_HEAD_DIMS
     # the Gluon dQ kernel beside the dK/dV kernel on a side stream (cfg.dq_stream): the side
     # stream waits for the statistics only, the caller's stream for both kernels at the end
-    dq_side = (_side_stream(q.device) if cfg.dq_stream and (cfg.gluon_dq or pb.varlen)
-               and (d in SPLIT_D_HEAD_DIMS or not atomic_dq) else None)
+    dq_side = _side_stream(q.device) if cfg.dq_stream and (cfg.gluon_dq or pb.varlen) and not atomic_dq else None
     if dq_side is not None:
         dq_side.wait_stream(torch.cuda.current_stream(q.device))
     grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
@@ -804,7 +804,6 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         from . import bwd256  # imports this module's loader: not at the top
         bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg)
-        atomic_dq = False
     else:
         split = None
         if pieces > 1:
