@@ -123,8 +123,10 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
-# dQ accumulator leaves little room for the window bounds and tanh temporaries (24 B).
-HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32}
+# dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
+# tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
+# the key-block loops' SASS) and 32-key ones (varlen, budget below).
+HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32, ("causal", 256): 64}
 # The 128 dK/dV kernel with its per-step timeline probe (every point stamped, never
 # dispatched): the clock reads and stores cost registers, 948 / 1404 B spilled (bf16, session
 # 21; points 0 and 7 alone 144 / 896 B, the 64 kernel none): scripts/bwd_timeline.py --steps
@@ -263,7 +265,9 @@ def test_hopper_dq_compiles_for_sm90a():
     rows = [dict(r, headdim=kernel_head_dim(r["headdim"])) for r in rows]
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
-        assert (r["block_n"], r["stages"]) == (c.dq_block_n, c.dq_stages), r
+        wide = c.dq_split_v and not r.get("varlen")  # dense batches: 64-key tiles, V's own slot
+        assert (r["block_n"], r["stages"], r.get("v_stages", 0)) == (
+            (c.dq_split_v, c.dq_stages, 1) if wide else (c.dq_block_n, c.dq_stages, 0)), r
         budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         _check_row(r, budget.get((r["feature"], r["headdim"]), 0))
         assert r["atomics"] == 0, r
@@ -289,7 +293,7 @@ def test_tile_variants_compile_for_sm90a():
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
         (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag", "dq_early")
-        for d in (64, 128) for f in ("plain", "causal")}
+        for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):

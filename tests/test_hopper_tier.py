@@ -293,6 +293,26 @@ def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [256, 192])
+def test_hopper_bwd_dq_split_v(d, mask, shape, monkeypatch):
+    """``dq_split_v`` flipped from its dispatched value (the dQ kernel of a dense batch with
+    64-key K / V tiles, V in one slot of its own freed before K's, or 32-key tiles sharing
+    the slots), against the fp32 reference: GQA / MQA groups, key blocks a query block does
+    not visit, odd lengths past the tile, a single key."""
+    import dataclasses
+    from triflash.kernels import configs
+    cfg = configs.SM90_HOPPER_BWD[256]
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256,
+                        dataclasses.replace(cfg, dq_split_v=0 if cfg.dq_split_v else 64))
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -143,6 +143,14 @@ class HopperBwdConfig:
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
+    # Dense batches (> 0): the dQ kernel's K / V tiles hold this many keys instead, K in
+    # ``dq_stages`` slots and V in one slot of its own, freed once dP' has read it
+    # (``hopper/bwd_dq.py`` V_STAGES = 1). At head dim 256 64-key tiles read 29% fewer
+    # shared-memory bytes per multiply-add than 32-key ones (Q and dO, the wgmmas' A
+    # operands, once per 64 keys: 160 KB per warpgroup and 64 keys against 2 x 112 KB), and
+    # 2 K + 1 V slots fit (229680 B) where 2 K + 2 V do not (262448 B). Varlen batches keep
+    # ``dq_block_n`` (their kernel spills 1.4 KB with it).
+    dq_split_v: int = 0
     # The separate dQ kernel (head dim 256, deterministic=True, varlen) launched on a side
     # stream right after the dK/dV kernel instead of after it on the caller's stream: the
     # two read the same inputs and write different outputs, so the dQ kernel's CTAs fill
@@ -353,9 +361,10 @@ SM90_HOPPER_BWD = {
     128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0, dq_early=True),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
-    # kernel with 32-key tiles (64-key tiles spill 2.8 KB). Variants in benchmarks/NOTES.md.
+    # kernel with 32-key tiles (64-key tiles for dense batches, V in one slot of its own:
+    # ``dq_split_v``). Variants in benchmarks/NOTES.md.
     256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True, tma_epilogue=True,
-                         reg_a=1),
+                         reg_a=1, dq_split_v=64),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -7,7 +7,10 @@ One CTA owns ``NUM_CONSUMERS * 64`` query rows of one (batch, head):
   streams the K and V tiles (``BLOCK_N`` keys) of every key block ``common.n_block_range``
   says the query block visits into ``STAGES``-deep rings; one ``kv_ready`` barrier per slot
   (TMA completes it with the byte count of K + V) and one ``kv_free`` barrier that each
-  consumer arrives on once its last wgmma reading the slot (dQ += dS K) has retired.
+  consumer arrives on once its last wgmma reading the slot (dQ += dS K) has retired. With
+  ``V_STAGES`` = 1 (``HopperBwdConfig.dq_split_v``) V has a single slot of its own,
+  landing on K's ``kv_ready`` and freed by ``v_free`` once dP' (its only reader) has retired,
+  so that 64-key tiles fit at head dim 256 (2 K slots + 1 V slot + Q + dO: 229680 B).
 * **consumers** (one warpgroup each, 64 query rows): per key block
   dP' = dO V^T - Delta (Delta as the initial accumulator: issued first, see
   ``hopper/bwd.py``), S = Q K^T, P = exp2(S * scale_log2 - lse_log2) (masked on edge
@@ -35,10 +38,10 @@ ROWS_PER_CONSUMER = 64
 
 @gluon.jit
 def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
-               kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
+               kv_ready, kv_free, v_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                window_left, window_right, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+               V_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -58,21 +61,34 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
         stage = it % STAGES
         # a fresh barrier counts as having completed the phase before 0
         mbarrier.wait(kv_free.index(stage), ((it // STAGES) & 1) ^ 1)
+        if V_STAGES != 0:  # V in a ring of its own (read by dP' only, so freed before K)
+            mbarrier.wait(v_free.index(it % V_STAGES), ((it // V_STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                         kv_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
+        v_slot = stage if V_STAGES == 0 else it % V_STAGES
         tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                                        kv_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
+                                        kv_ready.index(stage), _tma_view(v_ring.index(v_slot), v_desc))
 
 
 @gluon.jit
-def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, delta,
+def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready, kv_free, v_free, dq, lse, delta,
              rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right,
-             STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
+             STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
              HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PACKED_CVT: gl.constexpr):
     """Key block ``n`` (ring slot ``it``); returns dq. Each wgmma is waited for inside the
     step (an async token cannot be carried through a loop); the two consumer warpgroups
     overlap each other's element-wise work and wgmmas."""
+    if V_STAGES == 0:
+        slot = CID
+    else:
+        # A tile index that is CID but not a compile-time constant (len_k >= 0), so that
+        # ptxas rebuilds the wgmma descriptors of Q, dO and the one V slot each step
+        # instead of hoisting them out of the loop in registers (64-key tiles at head dim
+        # 256: 1.4 KB of spills, 60 spill loads / stores per step, -> none).
+        slot = CID + (it & (len_q >> 31))
+    q_buf = q_bufs.index(slot)
+    do_buf = do_bufs.index(slot)
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -84,7 +100,7 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
     stage = it % STAGES
     mbarrier.wait(kv_ready.index(stage), (it // STAGES) & 1)
     k_buf = k_ring.index(stage)
-    v_buf = v_ring.index(stage)
+    v_buf = v_ring.index(stage if V_STAGES == 0 else slot - CID)  # (V_STAGES = 1)
     dp_tok = warpgroup_mma(do_buf, v_buf.permute((1, 0)),
                            gl.zeros([BM, BLOCK_N], gl.float32, s_layout) - gl.expand_dims(delta, 1),
                            is_async=True)
@@ -105,21 +121,25 @@ def _dq_step(it, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free, dq, lse, d
         ds = ds * (1.0 - t * t)
     ds_op = gl.convert_layout(to_16bit(ds, dtype, PACKED_CVT), op_layout)
     dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
+    if V_STAGES != 0:  # (here, not right after dP' retired: fewer registers live)
+        mbarrier.arrive(v_free.index(it % V_STAGES))  # V of this step is no longer read
     dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-    mbarrier.arrive(kv_free.index(stage))  # K and V of this slot are no longer read
+    mbarrier.arrive(kv_free.index(stage))  # K (and V with a shared slot) no longer read
     return dq
 
 
 @gluon.jit
-def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_desc,
+def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free, dq_desc,
                  DQ, stride_dqm, stride_dqh, STAT, DELTA,
                  stride_sb, stride_sh, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                  qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                 STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
+                 STAGES: gl.constexpr, V_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
                  IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                  HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr):
+    q_buf = q_bufs.index(CID)
+    do_buf = do_bufs.index(CID)
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -145,10 +165,10 @@ def _dq_consumer(q_buf, do_buf, q_ready, k_ring, v_ring, kv_ready, kv_free, dq_d
     bounds = (n_min, n_full_min, n_full_max, n_max)
     for seg in gl.static_range(3):  # masked left edge, unmasked middle, masked right edge
         for n in range(bounds[seg], bounds[seg + 1]):
-            dq = _dq_step(n - n_min, n, q_buf, do_buf, k_ring, v_ring, kv_ready, kv_free,
+            dq = _dq_step(n - n_min, n, q_bufs, do_bufs, CID, k_ring, v_ring, kv_ready, kv_free, v_free,
                           dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
                           softcap_log2, window_left, window_right,
-                          STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT)
+                          STAGES, V_STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
     _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
@@ -161,7 +181,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                      nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks, section_heads,
                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                      qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                     STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                     STAGES: gl.constexpr, V_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -174,13 +194,15 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
     gl.static_assert(BM == 64, "one warpgroup owns 64 query rows")
     gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups")
     gl.static_assert(D == DV, "headdim == headdim_v")
+    gl.static_assert(V_STAGES <= 1, "V shares K's slots (0) or has one of its own (1)")
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BM, D], q_layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BM, D], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    # V in K's slots, freed with K (V_STAGES = 0), or in one of its own
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES if V_STAGES == 0 else V_STAGES, BLOCK_N, D], kv_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -188,32 +210,38 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=NUM_CONSUMERS)
+    if V_STAGES == 0:
+        v_free = kv_free  # (unused)
+    else:  # V's own slot lands on K's kv_ready and is freed once dP' has read it
+        v_free = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(V_STAGES):
+            mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
 
     gl.warp_specialize(
-        [(_dq_consumer, (q_bufs.index(0), do_bufs.index(0), q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
+        [(_dq_consumer, (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready,
+                         kv_free, v_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
-                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
+                         STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT)),
-         (_dq_consumer, (q_bufs.index(1), do_bufs.index(1), q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
+         (_dq_consumer, (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready,
+                         kv_free, v_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
-                         STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
+                         STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT)),
          (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
-                       kv_ready, kv_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                       total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                       window_left, window_right, NUM_CONSUMERS, STAGES, HAS_LEFT, HAS_RIGHT,
+                       kv_ready, kv_free, v_free, num_m_blocks, section_heads, nheads, nheads_kv,
+                       seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
+                       window_left, window_right, NUM_CONSUMERS, STAGES, V_STAGES, HAS_LEFT, HAS_RIGHT,
                        IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
-                loader_regs=24, consumer_regs=240, packed_cvt=False):
+                loader_regs=24, consumer_regs=240, packed_cvt=False, v_stages=0):
     """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
     views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
@@ -225,18 +253,19 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,
             pb.section_heads(k, v, params), *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
+            stages, v_stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
             params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs, q.shape[-1],  # .., HEAD_DIM,
             packed_cvt]
     return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
-def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, packed_cvt=False):
+def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, packed_cvt=False, v_stages=0):
     """A dense batch launches through the plan of its signature (``common.planned_launch``),
     a varlen one builds its arguments every call."""
     def build():
-        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, packed_cvt=packed_cvt)
+        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, packed_cvt=packed_cvt,
+                           v_stages=v_stages)
     key = None if pb.varlen else (
         "dq", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), dq.stride(),
-        q.dtype, q.get_device(), params, block_n, stages, packed_cvt, pb.seq_flags)
+        q.dtype, q.get_device(), params, block_n, stages, packed_cvt, v_stages, pb.seq_flags)
     planned_launch(hopper_dq_kernel, key, (q, k, v, dout, dq, stat, delta), build)

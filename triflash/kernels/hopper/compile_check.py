@@ -164,14 +164,18 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, packed_cvt: bool = False) -> dict:
+               varlen: bool = False, packed_cvt: bool = False, v_stages: int = 0) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring; ``varlen``: packed sequences."""
+    ``stages``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
+    packed sequences."""
     from . import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt,
+                            v_stages=v_stages)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
                block_n=block_n, stages=stages)
+    if v_stages:
+        row["v_stages"] = v_stages
     if varlen:
         row["varlen"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
@@ -221,11 +225,14 @@ def all_dq(dtypes=("bf16", "fp16")):
     from .common import PADDED_HEAD_DIMS
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
     padded = [(d, configs.SM90_HOPPER_BWD[w]) for d, w in sorted(PADDED_HEAD_DIMS.items())]
-    return ([compile_dq(d, dt, f, c.dq_block_n, c.dq_stages) for d, c in tiles
-             for dt in dtypes for f in FEATURES]
-            + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=True) for d, c in tiles
-               for f in FEATURES]
-            + [compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, varlen=v) for d, c in padded if c.gluon_dq
+
+    def dq(d, c, dt, f, varlen=False):  # a dense batch's tile with dq_split_v, as bwd.bwd launches it
+        wide = c.dq_split_v and not varlen
+        return compile_dq(d, dt, f, c.dq_split_v if wide else c.dq_block_n, c.dq_stages, varlen=varlen,
+                          packed_cvt=c.packed_cvt, v_stages=1 if wide else 0)
+    return ([dq(d, c, dt, f) for d, c in tiles for dt in dtypes for f in FEATURES]
+            + [dq(d, c, "bf16", f, varlen=True) for d, c in tiles for f in FEATURES]
+            + [dq(d, c, "bf16", f, varlen=v) for d, c in padded if c.gluon_dq
                for f in FEATURES for v in (False, True)])
 
 
@@ -239,7 +246,9 @@ def all_variants():
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
     and ``dq_early`` (its dQ wgmmas before dK's) each flipped from the dispatched value (row
-    key ``option``), and the forward rescaling O before P V (``rescale_early``)."""
+    key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
+    and V's slots (``dq_split_v`` off), and the forward rescaling O before P V
+    (``rescale_early``)."""
     import dataclasses
 
     from .. import configs
@@ -271,6 +280,9 @@ def all_variants():
             for f in ("plain", "causal"):
                 rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, **{opt: value})),
                                  packed_cvt=c.packed_cvt, option=f"{opt}={int(value)}"))
+    for f in ("plain", "causal"):  # the head-dim-256 dQ kernel of a dense batch without dq_split_v
+        rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n, b256.dq_stages, packed_cvt=b256.packed_cvt),
+                         packed_cvt=b256.packed_cvt, option="dq_split_v=0"))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
