@@ -26,7 +26,9 @@
                  deterministic=False, dense, tile.atomic_dq (64, 96, 128) -> inside the dK/dV
                      kernel, added by TMA reduce-add (order of adds not fixed)
                  otherwise -> the Gluon dQ kernel (hopper/bwd_dq.py), no atomics:
-                     bitwise reproducible (at 192 / 256 deterministic=False takes it too)
+                     bitwise reproducible (at 192 / 256 deterministic=False takes it too;
+                     there a dense batch's tile reads 64 keys per step with V in one slot
+                     of its own, tile.dq_split_v, a varlen batch's 32)
               otherwise -> portable backward, tile from configs.bwd_config(target, d, dv);
               deterministic=True  -> dK/dV kernel + separate dQ kernel (no atomics)
               deterministic=False -> dK/dV kernel with fp32 atomic dQ, unless the tile
