@@ -101,6 +101,7 @@ def check(args):
 
 
 SPEED_CASES = [(2, 8192, 16, 128), (2, 8192, 32, 64), (1, 8192, 36, 256)]
+VARLEN = False  # --varlen
 
 
 def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
@@ -124,10 +125,19 @@ def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
             dout = torch.randn_like(out)
             return _bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
     from triflash.kernels.hopper import bwd as hbwd
+    p = _params(q, k, causal, (-1, -1), 0.0)
+    if VARLEN:  # the same batch packed: b sequences of s tokens (flash_attn_varlen_func's layout)
+        cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+        qd, kd, vd = (x.detach().flatten(0, 1) for x in (q, k, v))
+        with torch.no_grad():
+            out, lse = triflash.flash_attn_varlen_func(qd, kd, vd, cu, cu, s, s, causal=causal,
+                                                      return_attn_probs=True)
+        dout = torch.randn_like(out)
+        return _bench(lambda: hbwd.bwd(dout, qd, kd, vd, out, lse, p, deterministic=deterministic, cfg=cfg,
+                                       cu_seqlens_q=cu, cu_seqlens_k=cu))
     with torch.no_grad():
         out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
-    p = _params(q, k, causal, (-1, -1), 0.0)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     return _bench(lambda: hbwd.bwd(dout, qd, kd, vd, out, lse, p, deterministic=deterministic, cfg=cfg))
 
@@ -244,6 +254,8 @@ def main():
     ap.add_argument("part", choices=["check", "speed", "rounds", "paths"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--varlen", action="store_true",
+                    help="speed / rounds: the Hopper rows on the batch packed as varlen sequences")
     ap.add_argument("--config", default="", help="HopperBwdConfig fields to change, k=v,...")
     ap.add_argument("--impls", default="hopper,portable,cudnn")
     ap.add_argument("--quick", action="store_true", help="check: bf16 and 8 of the cases")
@@ -257,15 +269,17 @@ def main():
     ap.add_argument("--cases", default="", help="rounds: BxSxHxD,... instead of SPEED_CASES")
     ap.add_argument("--tag", default="", help="appended to the output file name")
     args = ap.parse_args()
+    global VARLEN
+    VARLEN = args.varlen
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     res = globals()[args.part](args)
     suffix = ("-d" + "-".join(map(str, args.headdims)) if args.headdims != [64, 128] else "") + (
-        "-det" if args.deterministic else "") + (
+        "-det" if args.deterministic else "") + ("-varlen" if args.varlen else "") + (
         "-" + args.config.replace("=", "").replace(",", "-") if args.config else "")
     with open(os.path.join(args.out, f"bwd-probe-{args.part}{suffix}{args.tag}.json"), "w") as f:
         json.dump(dict(part=args.part, gpu=torch.cuda.get_device_name(), seconds=time.time() - t0,
-                       deterministic=args.deterministic, results=res), f, indent=1)
+                       deterministic=args.deterministic, varlen=args.varlen, results=res), f, indent=1)
 
 
 if __name__ == "__main__":

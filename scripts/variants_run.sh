@@ -32,7 +32,8 @@ has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_ti
   --variants "$SAME_VARIANTS"
 BV="${BWD_VARIANTS:-;reg_a=0}"
 has bwd256 && step bwd256 "${T_BWD256:-150}" python3 scripts/hopper_bwd_probe.py rounds --headdims 256 --rounds 5 \
-  --cases 1x8192x36x256,16x1024x8x256 --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT"
+  --cases "${BWD256_CASES:-1x8192x36x256,16x1024x8x256}" --variants "$BV" --out "$OUT_DIR" --tag="-$COMMIT" \
+  ${BWD256_ARGS:-}  # e.g. BWD256_ARGS=--varlen: the Hopper rows on the batch packed as varlen
 has bwd128 && step bwd128 "${T_BWD128:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 128 --rounds 5 \
   --cases "${BWD128_CASES:-2x8192x16x128}" --variants "${BWD128_VARIANTS:-;reg_a=1}" --out "$OUT_DIR" --tag="-$COMMIT"
 has bwd64 && step bwd64 "${T_BWD64:-80}" python3 scripts/hopper_bwd_probe.py rounds --headdims 64 --rounds 5 \

@@ -293,7 +293,8 @@ def test_tile_variants_compile_for_sm90a():
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
         (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag", "dq_early")
-        for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")}
+        for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
+        (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
@@ -307,7 +308,7 @@ def test_tile_variants_compile_for_sm90a():
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
-            budget = HOPPER_DQ_SPILL_BUDGET
+            budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         else:
             budget = HOPPER_BWD_SPILL_BUDGET
         _check_row(r, budget.get((r["feature"], r["headdim"]), 0))

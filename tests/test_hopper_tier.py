@@ -313,6 +313,27 @@ def test_hopper_bwd_dq_split_v(d, mask, shape, monkeypatch):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
 
 
+@pytest.mark.parametrize("seqused", [False, True])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [256, 192])
+def test_hopper_bwd_dq_split_v_varlen(d, mask, seqused, monkeypatch):
+    """``dq_split_v_varlen`` flipped from its dispatched value (a varlen batch's dQ kernel
+    with the dense batch's 64-key tiles, or 32-key ones), on test_hopper_varlen's batch:
+    sequences of length 0 and 1, tiles straddling two sequences, seqused, padding rows."""
+    import dataclasses
+    from test_varlen import check_varlen
+    from triflash.kernels import configs
+    cfg = configs.SM90_HOPPER_BWD[256]
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256,
+                        dataclasses.replace(cfg, dq_split_v_varlen=not cfg.dq_split_v_varlen))
+    causal, window, softcap = MASKS[mask]
+    lens_q, lens_k = [0, 1, 700, 129, 1000, 64, 333], [5, 1, 900, 63, 1000, 0, 129]
+    used = ([0, 1, 650, 129, 1, 64, 200], [5, 0, 900, 10, 999, 0, 129]) if seqused else None
+    with triflash.force_backend("hopper"):
+        check_varlen(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal, window, softcap,
+                     seqused=used, seed=d + 1, pad=9, deterministic=seqused)
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -830,7 +830,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             with torch.cuda.stream(dq_side) if dq_side is not None else contextlib.nullcontext():
-                wide = cfg.dq_split_v and not pb.varlen  # (configs.HopperBwdConfig.dq_split_v)
+                wide = cfg.dq_split_v and (not pb.varlen or cfg.dq_split_v_varlen)  # (configs.HopperBwdConfig)
                 bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params,
                               cfg.dq_split_v if wide else cfg.dq_block_n, cfg.dq_stages, cfg.packed_cvt,
                               v_stages=1 if wide else 0)

@@ -73,7 +73,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
 
 @gluon.jit
 def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready, kv_free, v_free, dq, lse, delta,
-             rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right,
+             rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right, seqlen_q,
              STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
              HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PACKED_CVT: gl.constexpr):
     """Key block ``n`` (ring slot ``it``); returns dq. Each wgmma is waited for inside the
@@ -82,11 +82,13 @@ def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready
     if V_STAGES == 0:
         slot = CID
     else:
-        # A tile index that is CID but not a compile-time constant (len_k >= 0), so that
-        # ptxas rebuilds the wgmma descriptors of Q, dO and the one V slot each step
-        # instead of hoisting them out of the loop in registers (64-key tiles at head dim
-        # 256: 1.4 KB of spills, 60 spill loads / stores per step, -> none).
-        slot = CID + (it & (len_q >> 31))
+        # A tile index that is CID but not a compile-time constant (``seqlen_q`` >= 0 is a
+        # kernel argument; a varlen sequence's len_q, clamped at 0 by common.seqlen_info,
+        # would let the compiler fold it), so that ptxas rebuilds the wgmma descriptors of Q,
+        # dO and the one V slot each step instead of hoisting them out of the loop in
+        # registers (64-key tiles at head dim 256: 1.4 KB of spills, 60 spill loads / stores
+        # per step, -> none).
+        slot = CID + (it & (seqlen_q >> 31))
     q_buf = q_bufs.index(slot)
     do_buf = do_bufs.index(slot)
     BM: gl.constexpr = q_buf.shape[0]
@@ -167,7 +169,7 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
         for n in range(bounds[seg], bounds[seg + 1]):
             dq = _dq_step(n - n_min, n, q_bufs, do_bufs, CID, k_ring, v_ring, kv_ready, kv_free, v_free,
                           dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
-                          softcap_log2, window_left, window_right,
+                          softcap_log2, window_left, window_right, seqlen_q,
                           STAGES, V_STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))

@@ -226,8 +226,8 @@ def all_dq(dtypes=("bf16", "fp16")):
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
     padded = [(d, configs.SM90_HOPPER_BWD[w]) for d, w in sorted(PADDED_HEAD_DIMS.items())]
 
-    def dq(d, c, dt, f, varlen=False):  # a dense batch's tile with dq_split_v, as bwd.bwd launches it
-        wide = c.dq_split_v and not varlen
+    def dq(d, c, dt, f, varlen=False):  # the tile with dq_split_v, as bwd.bwd launches it
+        wide = c.dq_split_v and (not varlen or c.dq_split_v_varlen)
         return compile_dq(d, dt, f, c.dq_split_v if wide else c.dq_block_n, c.dq_stages, varlen=varlen,
                           packed_cvt=c.packed_cvt, v_stages=1 if wide else 0)
     return ([dq(d, c, dt, f) for d, c in tiles for dt in dtypes for f in FEATURES]
@@ -247,7 +247,8 @@ def all_variants():
     left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
     and ``dq_early`` (its dQ wgmmas before dK's) each flipped from the dispatched value (row
     key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
-    and V's slots (``dq_split_v`` off), and the forward rescaling O before P V
+    and V's slots (``dq_split_v`` off) and of a varlen batch with 64-key ones
+    (``dq_split_v_varlen``), and the forward rescaling O before P V
     (``rescale_early``)."""
     import dataclasses
 
@@ -283,6 +284,10 @@ def all_variants():
     for f in ("plain", "causal"):  # the head-dim-256 dQ kernel of a dense batch without dq_split_v
         rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n, b256.dq_stages, packed_cvt=b256.packed_cvt),
                          packed_cvt=b256.packed_cvt, option="dq_split_v=0"))
+    for f in FEATURES:  # ... and of a varlen batch with it (dq_split_v_varlen)
+        rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
+                                    v_stages=1),
+                         packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
