@@ -149,9 +149,12 @@ class HopperBwdConfig:
     # shared-memory bytes per multiply-add than 32-key ones (Q and dO, the wgmmas' A
     # operands, once per 64 keys: 160 KB per warpgroup and 64 keys against 2 x 112 KB), and
     # 2 K + 1 V slots fit (229680 B) where 2 K + 2 V do not (262448 B). Varlen batches keep
-    # ``dq_block_n`` unless ``dq_split_v_varlen`` (session 23: built, GPU-tested, off until
-    # measured; a varlen sequence's length is clamped at 0, so the kernel takes its opaque
-    # zero from the ``seqlen_q`` argument, and spills 16-28 B, none in its loops).
+    # ``dq_block_n`` unless ``dq_split_v_varlen`` (session 23; a varlen sequence's length is
+    # clamped at 0, so the kernel takes its opaque zero from the ``seqlen_q`` argument, and
+    # spills 16-28 B, none in its loops). Measured (five interleaved rounds, the batch packed
+    # as varlen, probes/bwd-probe-rounds-d256-varlen-1606532.json, TFLOPS off -> on): seed
+    # 446.6 -> 445.1 / 424.1 -> 430.3, 16x1024x8 340.9 -> 339.2 / 248.9 -> 251.5; its GPU
+    # tests passed (probes/variants-tests-1606532.txt). Off until a complete run with it.
     dq_split_v: int = 0
     dq_split_v_varlen: bool = False
     # The separate dQ kernel (head dim 256, deterministic=True, varlen) launched on a side
