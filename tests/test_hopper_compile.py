@@ -294,7 +294,9 @@ def test_tile_variants_compile_for_sm90a():
     assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
         (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag", "dq_early")
         for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
-        (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")}
+        (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")} | {
+        (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
+        for d in (128, 256) for f in ("causal", "window-softcap")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):

@@ -313,6 +313,33 @@ def test_hopper_bwd_dq_split_v(d, mask, shape, monkeypatch):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (203, 113, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1),
+                                   (1, 1, 4, 4)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", ["causal", "window", "causal-window-softcap"])
+@pytest.mark.parametrize("d", [256, 192, 128])
+def test_hopper_bwd_dq_own_blocks(d, mask, shape, monkeypatch):
+    """``dq_own_blocks`` flipped from its dispatched value (each dQ consumer warpgroup computes
+    only the key blocks its own 64 rows see, waiting for and releasing the others' slots),
+    against the fp32 reference: sq < sk and sq > sk (bottom-right causal: whole 64-row halves
+    of a tile see nothing, or everything), GQA / MQA, key blocks only one half sees, odd
+    lengths, one key. 128 through deterministic=True (its default dQ is inside the dK/dV
+    kernel); a varlen batch at 256 too."""
+    import dataclasses
+    from test_varlen import check_varlen
+    from triflash.kernels import configs
+    from triflash.kernels.hopper.common import kernel_head_dim
+    w = kernel_head_dim(d)
+    cfg = configs.SM90_HOPPER_BWD[w]
+    monkeypatch.setitem(configs.SM90_HOPPER_BWD, w, dataclasses.replace(cfg, dq_own_blocks=not cfg.dq_own_blocks))
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    with triflash.force_backend("hopper"):
+        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, deterministic=d == 128)
+        if d == 256 and sq == 113:
+            check_varlen([0, 1, 700, 129, 1000, 64, 333], [5, 1, 900, 63, 1000, 0, 129], 8, 2, d, torch.bfloat16,
+                         causal, window, softcap, seed=d + 2, pad=9)
+
+
 @pytest.mark.parametrize("seqused", [False, True])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d", [256, 192])

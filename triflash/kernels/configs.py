@@ -157,6 +157,14 @@ class HopperBwdConfig:
     # tests passed (probes/variants-tests-1606532.txt). Off until a complete run with it.
     dq_split_v: int = 0
     dq_split_v_varlen: bool = False
+    # Under causal / window masks each consumer warpgroup of the dQ kernel computes only the
+    # key blocks its own 64 rows see (``common.n_block_range`` of them) and masks only where
+    # they need it, merely waiting for and releasing the tile's other slots (the forward's
+    # ``own_blocks``; ``hopper/bwd_dq.py`` OWN_BLOCKS). Causal, 64-key tiles: consumer 0 of
+    # a 128-row tile skips one of the tile's two diagonal blocks, 1.5% of its blocks at 8k
+    # and 11% at 1k, and each consumer masks one block instead of two. Session 23: built,
+    # compile-checked, GPU test written; not yet run or measured.
+    dq_own_blocks: bool = False
     # The separate dQ kernel (head dim 256, deterministic=True, varlen) launched on a side
     # stream right after the dK/dV kernel instead of after it on the caller's stream: the
     # two read the same inputs and write different outputs, so the dQ kernel's CTAs fill

@@ -164,18 +164,21 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, packed_cvt: bool = False, v_stages: int = 0) -> dict:
+               varlen: bool = False, packed_cvt: bool = False, v_stages: int = 0,
+               own_blocks: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
     ``stages``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
     packed sequences."""
     from . import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
     _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt,
-                            v_stages=v_stages)
+                            v_stages=v_stages, own_blocks=own_blocks)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
                block_n=block_n, stages=stages)
     if v_stages:
         row["v_stages"] = v_stages
+    if own_blocks:
+        row["own_blocks"] = True
     if varlen:
         row["varlen"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
@@ -229,7 +232,7 @@ def all_dq(dtypes=("bf16", "fp16")):
     def dq(d, c, dt, f, varlen=False):  # the tile with dq_split_v, as bwd.bwd launches it
         wide = c.dq_split_v and (not varlen or c.dq_split_v_varlen)
         return compile_dq(d, dt, f, c.dq_split_v if wide else c.dq_block_n, c.dq_stages, varlen=varlen,
-                          packed_cvt=c.packed_cvt, v_stages=1 if wide else 0)
+                          packed_cvt=c.packed_cvt, v_stages=1 if wide else 0, own_blocks=c.dq_own_blocks)
     return ([dq(d, c, dt, f) for d, c in tiles for dt in dtypes for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=True) for d, c in tiles for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=v) for d, c in padded if c.gluon_dq
@@ -284,6 +287,13 @@ def all_variants():
     for f in ("plain", "causal"):  # the head-dim-256 dQ kernel of a dense batch without dq_split_v
         rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n, b256.dq_stages, packed_cvt=b256.packed_cvt),
                          packed_cvt=b256.packed_cvt, option="dq_split_v=0"))
+    for d in (128, 256):  # each consumer's own key blocks (dq_own_blocks), dense (256: 64-key tiles)
+        c = configs.SM90_HOPPER_BWD[d]
+        for f in ("causal", "window-softcap"):
+            rows.append(dict(compile_dq(d, "bf16", f, c.dq_split_v or c.dq_block_n, c.dq_stages,
+                                        packed_cvt=c.packed_cvt, v_stages=1 if c.dq_split_v else 0,
+                                        own_blocks=not c.dq_own_blocks),
+                             packed_cvt=c.packed_cvt, option=f"dq_own_blocks={int(not c.dq_own_blocks)}"))
     for f in FEATURES:  # ... and of a varlen batch with it (dq_split_v_varlen)
         rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
                                     v_stages=1),
