@@ -25,6 +25,10 @@ MASKS = {
     "window": (False, (93, 17), 0.0),
     "causal-window-softcap": (True, (200, -1), 20.0),
 }
+# A packed varlen batch (lengths of q, of k): sequences of length 0 and 1, blocks past a
+# sequence's end, tiles straddling two sequences; and seqused for it (test_hopper_varlen)
+VARLEN_LENS = ([0, 1, 700, 129, 1000, 64, 333], [5, 1, 900, 63, 1000, 0, 129])
+VARLEN_USED = ([0, 1, 650, 129, 1, 64, 200], [5, 0, 900, 10, 999, 0, 129])
 # (seqlen_q, seqlen_k, heads, kv heads): odd lengths, sq != sk both ways, MHA / GQA / MQA
 SHAPES = [(1, 1, 4, 4), (113, 203, 8, 2), (1000, 1000, 6, 1), (2048, 1537, 4, 4), (777, 2048, 8, 4)]
 
@@ -336,8 +340,7 @@ def test_hopper_bwd_dq_own_blocks(d, mask, shape, monkeypatch):
     with triflash.force_backend("hopper"):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, deterministic=d == 128)
         if d == 256 and sq == 113:
-            check_varlen([0, 1, 700, 129, 1000, 64, 333], [5, 1, 900, 63, 1000, 0, 129], 8, 2, d, torch.bfloat16,
-                         causal, window, softcap, seed=d + 2, pad=9)
+            check_varlen(*VARLEN_LENS, 8, 2, d, torch.bfloat16, causal, window, softcap, seed=d + 2, pad=9)
 
 
 @pytest.mark.parametrize("seqused", [False, True])
@@ -354,8 +357,8 @@ def test_hopper_bwd_dq_split_v_varlen(d, mask, seqused, monkeypatch):
     monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256,
                         dataclasses.replace(cfg, dq_split_v_varlen=not cfg.dq_split_v_varlen))
     causal, window, softcap = MASKS[mask]
-    lens_q, lens_k = [0, 1, 700, 129, 1000, 64, 333], [5, 1, 900, 63, 1000, 0, 129]
-    used = ([0, 1, 650, 129, 1, 64, 200], [5, 0, 900, 10, 999, 0, 129]) if seqused else None
+    lens_q, lens_k = VARLEN_LENS
+    used = VARLEN_USED if seqused else None
     with triflash.force_backend("hopper"):
         check_varlen(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal, window, softcap,
                      seqused=used, seed=d + 1, pad=9, deterministic=seqused)
@@ -629,8 +632,8 @@ def test_hopper_varlen(d, mask, seqused):
     a store past it would land in the next head's first columns."""
     from test_varlen import check_varlen
     causal, window, softcap = MASKS[mask]
-    lens_q, lens_k = [0, 1, 700, 129, 1000, 64, 333], [5, 1, 900, 63, 1000, 0, 129]
-    used = ([0, 1, 650, 129, 1, 64, 200], [5, 0, 900, 10, 999, 0, 129]) if seqused else None
+    lens_q, lens_k = VARLEN_LENS
+    used = VARLEN_USED if seqused else None
     with triflash.force_backend("hopper"):
         check_varlen(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal, window, softcap,
                      seqused=used, seed=d, pad=9, deterministic=seqused)
