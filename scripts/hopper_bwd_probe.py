@@ -101,10 +101,9 @@ def check(args):
 
 
 SPEED_CASES = [(2, 8192, 16, 128), (2, 8192, 32, 64), (1, 8192, 36, 256)]
-VARLEN = False  # --varlen
 
 
-def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
+def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None, varlen=False):
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -126,7 +125,7 @@ def _bwd_ms(b, s, h, d, causal, impl, deterministic, cfg=None):
             return _bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
     from triflash.kernels.hopper import bwd as hbwd
     p = _params(q, k, causal, (-1, -1), 0.0)
-    if VARLEN:  # the same batch packed: b sequences of s tokens (flash_attn_varlen_func's layout)
+    if varlen:  # the same batch packed: b sequences of s tokens (flash_attn_varlen_func's layout)
         cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
         qd, kd, vd = (x.detach().flatten(0, 1) for x in (q, k, v))
         with torch.no_grad():
@@ -151,7 +150,7 @@ def speed(args):
             flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
             for impl in args.impls.split(","):
                 try:
-                    ms = _bwd_ms(b, s, h, d, causal, impl, args.deterministic, _cfg(args, d))
+                    ms = _bwd_ms(b, s, h, d, causal, impl, args.deterministic, _cfg(args, d), args.varlen)
                     row[impl] = round(flops / ms / 1e9, 1)
                     row[impl + "_ms"] = round(ms, 3)
                 except Exception as e:
@@ -179,7 +178,8 @@ def rounds(args):
                     try:
                         ms = (_bwd_ms(b, s, h, d, causal, v, v == "api" and args.deterministic)
                               if v in ("cudnn", "api") else
-                              _bwd_ms(b, s, h, d, causal, "hopper", args.deterministic, _cfg(args, d, v)))
+                              _bwd_ms(b, s, h, d, causal, "hopper", args.deterministic, _cfg(args, d, v),
+                                      args.varlen))
                         times[v].append(flops / ms / 1e9)
                     except Exception as e:  # report, keep going
                         times[v].append(float("nan"))
@@ -269,8 +269,6 @@ def main():
     ap.add_argument("--cases", default="", help="rounds: BxSxHxD,... instead of SPEED_CASES")
     ap.add_argument("--tag", default="", help="appended to the output file name")
     args = ap.parse_args()
-    global VARLEN
-    VARLEN = args.varlen
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     res = globals()[args.part](args)

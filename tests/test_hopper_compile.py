@@ -257,6 +257,7 @@ def test_hopper_dq_compiles_for_sm90a():
     and (bf16) varlen; the padded head dims (96, 192: dense and varlen, bf16) with the tile of
     the width they are computed at."""
     from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd_dq
     from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     rows = _compiled("dq")
     served = {d for d, c in configs.SM90_HOPPER_BWD.items() if c.gluon_dq}
@@ -265,9 +266,10 @@ def test_hopper_dq_compiles_for_sm90a():
     rows = [dict(r, headdim=kernel_head_dim(r["headdim"])) for r in rows]
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
-        wide = c.dq_split_v and not r.get("varlen")  # dense batches: 64-key tiles, V's own slot
-        assert (r["block_n"], r["stages"], r.get("v_stages", 0)) == (
-            (c.dq_split_v, c.dq_stages, 1) if wide else (c.dq_block_n, c.dq_stages, 0)), r
+        block_n, v_stages = bwd_dq.tile(c, r.get("varlen", False))  # what bwd.bwd launches
+        assert (r["block_n"], r["stages"], r.get("v_stages", 0)) == (block_n, c.dq_stages, v_stages), r
+        if c.dq_split_v and not r.get("varlen"):  # dense: dq_split_v keys, V in a slot of its own
+            assert (block_n, v_stages) == (c.dq_split_v, 1), r
         budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         _check_row(r, budget.get((r["feature"], r["headdim"]), 0))
         assert r["atomics"] == 0, r

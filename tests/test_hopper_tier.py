@@ -169,17 +169,26 @@ def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
         assert torch.equal(a, b), name
 
 
-def _fwd_dense_and_varlen(d, mask, shape, seed):
-    """(q, k, v, run): fresh bf16 inputs (batch 2, ``shape`` = (sq, sk, heads, kv heads)) and
-    run() -> (out, lse, out varlen, lse varlen) of the Hopper forward under ``mask``, the
-    batch dense and as a varlen batch of its two sequences (varlen lse is (heads, 2 * sq))."""
+def _two_sequences(d, shape, seed):
+    """(q, k, v, cu_q, cu_k, generator): fresh bf16 inputs of batch 2, ``shape`` = (sq, sk,
+    heads, kv heads), from a CUDA generator seeded with ``seed`` (returned for more draws),
+    and the cu_seqlens that pack the batch's two sequences as a varlen batch."""
     sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(2, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for n, heads in ((sq, h), (sk, hk), (sk, hk)))
     cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+    return q, k, v, cu_q, cu_k, g
+
+
+def _fwd_dense_and_varlen(d, mask, shape, seed):
+    """(q, k, v, run): fresh bf16 inputs (``_two_sequences``) and run() -> (out, lse, out
+    varlen, lse varlen) of the Hopper forward under ``mask``, the batch dense and as a varlen
+    batch of its two sequences (varlen lse is (heads, 2 * sq))."""
+    sq, sk = shape[:2]
+    causal, window, softcap = MASKS[mask]
+    q, k, v, cu_q, cu_k, _ = _two_sequences(d, shape, seed)
     kw = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
 
     def run():
@@ -378,12 +387,9 @@ def test_hopper_bwd_dq_stream_same_bits(d, deterministic, mask, shape, monkeypat
     from triflash.kernels import configs
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
-    g = torch.Generator(device="cuda").manual_seed(d + sk + 7)
-    q, k, v = (torch.randn(2, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for n, heads in ((sq, h), (sk, hk), (sk, hk)))
+    q, k, v, cu_q, cu_k, g = _two_sequences(d, shape, d + sk + 7)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     dout = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
     kw = dict(causal=causal, window_size=window, softcap=softcap, deterministic=deterministic)
 
     def run():

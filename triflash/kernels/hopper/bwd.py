@@ -830,10 +830,9 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     if not atomic_dq:
         if cfg.gluon_dq or pb.varlen:
             with torch.cuda.stream(dq_side) if dq_side is not None else contextlib.nullcontext():
-                wide = cfg.dq_split_v and (not pb.varlen or cfg.dq_split_v_varlen)  # (configs.HopperBwdConfig)
-                bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params,
-                              cfg.dq_split_v if wide else cfg.dq_block_n, cfg.dq_stages, cfg.packed_cvt,
-                              v_stages=1 if wide else 0, own_blocks=cfg.dq_own_blocks)
+                block_n, v_stages = bwd_dq.tile(cfg, pb.varlen)
+                bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, block_n,
+                              cfg.dq_stages, cfg.packed_cvt, v_stages=v_stages, own_blocks=cfg.dq_own_blocks)
             if dq_side is not None:
                 torch.cuda.current_stream(q.device).wait_stream(dq_side)
             if dq_out is not dq:

@@ -153,7 +153,6 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
                  IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                  HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr, OWN_BLOCKS: gl.constexpr):
     q_buf = q_bufs.index(CID)
-    do_buf = do_bufs.index(CID)
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -271,6 +270,15 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                        window_left, window_right, NUM_CONSUMERS, STAGES, V_STAGES, HAS_LEFT, HAS_RIGHT,
                        IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def tile(cfg, varlen):
+    """(keys per K / V tile, V_STAGES) of the dQ kernel for ``cfg`` (a ``HopperBwdConfig``):
+    ``dq_split_v`` keys with V in one slot of its own on a dense batch (on a varlen batch
+    with ``dq_split_v_varlen``), else ``dq_block_n`` keys with V in K's slots."""
+    if cfg.dq_split_v and (not varlen or cfg.dq_split_v_varlen):
+        return cfg.dq_split_v, 1
+    return cfg.dq_block_n, 0
 
 
 def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,

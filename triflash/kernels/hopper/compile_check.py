@@ -225,14 +225,15 @@ def all_dq(dtypes=("bf16", "fp16")):
     dense in both dtypes and varlen in bf16; the padded head dims (96, 192) dense and varlen
     in bf16."""
     from .. import configs
+    from . import bwd_dq as Q
     from .common import PADDED_HEAD_DIMS
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
     padded = [(d, configs.SM90_HOPPER_BWD[w]) for d, w in sorted(PADDED_HEAD_DIMS.items())]
 
-    def dq(d, c, dt, f, varlen=False):  # the tile with dq_split_v, as bwd.bwd launches it
-        wide = c.dq_split_v and (not varlen or c.dq_split_v_varlen)
-        return compile_dq(d, dt, f, c.dq_split_v if wide else c.dq_block_n, c.dq_stages, varlen=varlen,
-                          packed_cvt=c.packed_cvt, v_stages=1 if wide else 0, own_blocks=c.dq_own_blocks)
+    def dq(d, c, dt, f, varlen=False):  # the tile as bwd.bwd launches it
+        block_n, v_stages = Q.tile(c, varlen)
+        return compile_dq(d, dt, f, block_n, c.dq_stages, varlen=varlen, packed_cvt=c.packed_cvt,
+                          v_stages=v_stages, own_blocks=c.dq_own_blocks)
     return ([dq(d, c, dt, f) for d, c in tiles for dt in dtypes for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=True) for d, c in tiles for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=v) for d, c in padded if c.gluon_dq
@@ -256,6 +257,7 @@ def all_variants():
     import dataclasses
 
     from .. import configs
+    from . import bwd_dq as Q
     rows = []
     for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
         for f in ("plain", "causal"):
@@ -290,9 +292,9 @@ def all_variants():
     for d in (128, 256):  # each consumer's own key blocks (dq_own_blocks), dense (256: 64-key tiles)
         c = configs.SM90_HOPPER_BWD[d]
         for f in ("causal", "window-softcap"):
-            rows.append(dict(compile_dq(d, "bf16", f, c.dq_split_v or c.dq_block_n, c.dq_stages,
-                                        packed_cvt=c.packed_cvt, v_stages=1 if c.dq_split_v else 0,
-                                        own_blocks=not c.dq_own_blocks),
+            block_n, v_stages = Q.tile(c, False)
+            rows.append(dict(compile_dq(d, "bf16", f, block_n, c.dq_stages, packed_cvt=c.packed_cvt,
+                                        v_stages=v_stages, own_blocks=not c.dq_own_blocks),
                              packed_cvt=c.packed_cvt, option=f"dq_own_blocks={int(not c.dq_own_blocks)}"))
     for f in FEATURES:  # ... and of a varlen batch with it (dq_split_v_varlen)
         rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
