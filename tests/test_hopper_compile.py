@@ -122,6 +122,10 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
+# Q's first 128 columns in registers at 256 (q_reg_cols, 32 registers more beside the 64 x 256
+# O accumulator; session 24: plain 72 B, 80 B with a third V slot, causal 8 B, none in the
+# key-block loops' SASS)
+HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET = {("plain", 256): 96, ("causal", 256): 16}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -284,7 +288,9 @@ def test_tile_variants_compile_for_sm90a():
     read from shared memory (``reg_a`` 0, dispatched before session 14). (The head-dim-64 dK/dV
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs``, variants in session 14,
     are dispatched since session 15: the tests above compile them in every form.) The 64 / 128
-    dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value."""
+    dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
+    forward with Q's first 128 columns in registers at 256 (``q_reg_cols``) and with V's ring
+    a slot deeper than K's (``v_stages``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
@@ -298,7 +304,10 @@ def test_tile_variants_compile_for_sm90a():
         for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
         (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")} | {
         (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
-        for d in (128, 256) for f in ("causal", "window-softcap")}
+        for d in (128, 256) for f in ("causal", "window-softcap")} | {
+        (d, f, o) for d, o in ((256, "q_reg_cols=128"), (128, "v_stages=3"),
+                               (256, "v_stages=3"), (256, "v_stages=3,q_reg_cols=128"))
+        for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
@@ -311,6 +320,8 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
+            if "q_reg_cols" in r.get("option", ""):
+                budget = {**budget, **HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         else:

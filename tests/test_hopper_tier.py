@@ -200,23 +200,33 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
     return q, k, v, run
 
 
+# Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
+# dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128 since
+# session 15, here off), ``q_reg_cols`` (Q's first 128 columns in registers at 256, the rest
+# from shared memory) and ``v_stages`` (V's ring deeper than K's).
+FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False)), (192, dict(q_reg_cols=128)),
+                 (256, dict(q_reg_cols=128)), (128, dict(v_stages=3)),
+                 (256, dict(v_stages=3)), (256, dict(v_stages=3, q_reg_cols=128))]
+
+
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [96, 128])
-def test_hopper_fwd_q_regs_same_bits(d, mask, shape, monkeypatch):
-    """The forward's ``q_regs`` (Q as the S wgmmas' A operand from registers instead of
-    shared memory; dispatched at 128 since session 15) changes where Q is read, not the
-    products: out and lse keep the bits of the tile without it. Dense tiles of every walk
-    (one CTA per tile, persistent, scheduled under masks) and a varlen batch."""
+@pytest.mark.parametrize("d,option", FWD_SAME_BITS, ids=lambda x: str(x))
+def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatch):
+    """Where Q is read from (registers or shared memory) and how deep V's ring is change
+    neither the products nor the order of the sums (a wgmma chain over the head dim
+    accumulates its k-steps in order): out and lse keep the dispatched tile's bits. Dense
+    tiles of every walk (one CTA per tile, persistent, scheduled under masks) and a varlen
+    batch."""
     import dataclasses
     from triflash.kernels import configs
+    from triflash.kernels.hopper.common import kernel_head_dim
+    w = kernel_head_dim(d)
     _, _, _, run = _fwd_dense_and_varlen(d, mask, shape, d + shape[0])
-    cfg = configs.SM90_HOPPER_FWD[128]
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, 128, dataclasses.replace(cfg, q_regs=False))
-    plain = run()
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, 128, dataclasses.replace(cfg, q_regs=True))
-    for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), plain, run()):
+    dispatched = run()
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], **option))
+    for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), dispatched, run()):
         assert torch.equal(a, b), name
 
 

@@ -44,6 +44,11 @@ class HopperFwdConfig:
     block_n: int
     stages: int
     num_consumers: int = 2
+    # V's ring deeper than K's (0: ``stages``). A V slot is freed when the second consumer's
+    # P V of it retires, a step after its S, so with two slots of each the load of V j + 2
+    # starts ~2.25 steps after the first consumer issued S_j and is needed at step 3 (K's
+    # has ~1.25 steps of slack); a third V slot gives it one step more.
+    v_stages: int = 0
     pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
     # wgmma; the same values). On since session 13: in interleaved rounds on the H200
@@ -63,6 +68,12 @@ class HopperFwdConfig:
     # 430.2 -> 429.3: dispatched at 128; 64 (three consumers) 514.2 -> 492.2 / 453.2 ->
     # 452.6 and 256 (spills 1.2-2 KB) 685.6 -> 359.1 / 652.0 -> 345.8: not there.
     q_regs: bool = False
+    # Q's first ``q_reg_cols`` head-dim columns in registers as the A operand of the S wgmma
+    # over those columns, the rest read from the shared tile by one wgmma per further
+    # ``q_reg_cols`` columns (``hopper.fwd._issue_s``): at head dim 256 the whole Q (64
+    # registers) spills, half of it is 32. Where a 64-key S wgmma reads both operands from
+    # shared memory it asks 4 KB per 32 cycles of the tensor cores, the whole 128 B / clk.
+    q_reg_cols: int = 0
     # Each consumer visits only the key blocks its own 64 rows see (``common.n_block_range``
     # of those rows) and masks only where they need it; the tile's other blocks it merely
     # waits for and releases (``hopper.fwd._own_blocks``). Under causal / window masks a

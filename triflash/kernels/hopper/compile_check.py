@@ -253,7 +253,8 @@ def all_variants():
     key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
     and V's slots (``dq_split_v`` off) and of a varlen batch with 64-key ones
     (``dq_split_v_varlen``), and the forward rescaling O before P V
-    (``rescale_early``)."""
+    (``rescale_early``), with part of Q in registers (``q_reg_cols``) and with a deeper V
+    ring (``v_stages``)."""
     import dataclasses
 
     from .. import configs
@@ -300,6 +301,14 @@ def all_variants():
         rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
                                     v_stages=1),
                          packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
+    # the forward with Q's first 128 columns in registers at 256 (q_reg_cols) and with V's
+    # ring a slot deeper than K's (v_stages)
+    for d, option in ((256, dict(q_reg_cols=128)), (128, dict(v_stages=3)),
+                      (256, dict(v_stages=3)), (256, dict(v_stages=3, q_reg_cols=128))):
+        c = configs.SM90_HOPPER_FWD[d]
+        for f in ("plain", "causal"):
+            rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),
+                             packed_cvt=c.packed_cvt, option=",".join(f"{k}={v}" for k, v in option.items())))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
