@@ -259,10 +259,12 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
             assert torch.equal(a, b), name
 
 
-# Forward options (HopperFwdConfig): ``rescale_early`` (O rescaled by the previous block's
-# factor before P V is issued; dispatched at 64 / 128 since session 20, at 256 without a
-# mask since session 21: here at every tile and mask).
-FWD_OPTIONS = [("rescale_early", d) for d in (64, 128, 192, 256)]
+# Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
+# previous block's factor before P V is issued; dispatched at 64 / 128 since session 20, at
+# 256 without a mask since session 21: here at every tile and mask) and
+# ``rescale_threshold`` (a row's running max kept until a block raises it by more than 8
+# log2 units, O rescaled only where a row needs it).
+FWD_OPTIONS = [(o, d) for o in (("rescale_early", True), ("rescale_threshold", 8.0)) for d in (64, 128, 192, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
@@ -276,7 +278,8 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import kernel_head_dim
     w = kernel_head_dim(d)
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], **{option: True}))
+    name, value = option
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], **{name: value}))
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
     q, k, v, run = _fwd_dense_and_varlen(d, mask, shape, d + sq)
@@ -287,6 +290,32 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
     assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
     assert_forward_matches(out_varlen.view(2, sq, h, d), lse_varlen.view(h, 2, sq).transpose(0, 1), ref, lse_ref,
                            pt, softcap)
+
+
+@pytest.mark.parametrize("sk", [1000, 4096])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_fwd_rescale_threshold_rising_max(d, mask, sk, monkeypatch):
+    """``rescale_threshold``: scores whose row maxima rise by far more than the threshold
+    from block to block (queries scaled up, every key's norm drawn between 0.05 and 4), so
+    rows both keep a stale max and replace it, in blocks visited in every order; against
+    the fp32 reference."""
+    import dataclasses
+    from triflash.kernels import configs
+    causal, window, softcap = MASKS[mask]
+    g = torch.Generator(device="cuda").manual_seed(d + sk)
+    q = 3 * torch.randn(2, 1000, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    norms = 0.05 + 3.95 * torch.rand(2, sk, 1, 1, device="cuda", generator=g)
+    k = (torch.randn(2, sk, 2, d, device="cuda", generator=g) * norms).to(torch.bfloat16)
+    v = torch.randn(2, sk, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d],
+                                                                        rescale_threshold=8.0))
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    with triflash.force_backend("hopper"):
+        out, lse, *_ = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
 
 
 # Backward options (HopperBwdConfig), each flipped from its dispatched value: ``dq_lag``

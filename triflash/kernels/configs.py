@@ -108,6 +108,12 @@ class HopperFwdConfig:
     # 674.1 / 650.2 -> 644.8 in session 19, 670.6 -> 681.2 / 638.5 -> 633.9 in session 20,
     # probes/probe-rounds-{23cee87,ac47225}.json). Dispatched at 256 in session 21.
     rescale_early_unmasked: bool = False
+    # A row keeps its running max unless a block raises it by more than this many log2 units
+    # (0: the exact running max, every block rescales O): its p are then at most 2^threshold
+    # and its alpha exactly 1, and O is rescaled only where some row of the warpgroup's 64
+    # needs it (``hopper.fwd._rescale``; FA4's 8.0). After the first blocks a row's max
+    # rarely rises by 8, so most blocks skip the 64 x D multiply (128 FMULs per thread at 256).
+    rescale_threshold: float = 0.0
     # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
     # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
     # probes/variants-e97395a.tar.gz: ``thread_arrives``, every consumer thread arriving on

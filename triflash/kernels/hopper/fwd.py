@@ -112,10 +112,14 @@ def _q_slot(local, Q_SLOTS: gl.constexpr):
 @gluon.jit
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, THRESHOLD: gl.constexpr = 0.0):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
-    each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale)."""
+    each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
+    ``THRESHOLD`` > 0 (``HopperFwdConfig.rescale_threshold``): a row keeps its running max
+    unless the block raises it by more than that (log2 units; its p are then at most
+    2^THRESHOLD, as exact in fp32 and 16 bits as below 1), so its alpha is exactly 1 and
+    ``_rescale`` can skip O; a row that has seen nothing (O and l are 0) gets alpha 1 too."""
     if SOFTCAP:
         s = scores(s, qk_scale, softcap_log2, SOFTCAP)  # already log2-scaled
     if MASK:
@@ -125,6 +129,8 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
         m_new = gl.maximum(m_i, gl.max(s, 1))
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if THRESHOLD > 0:
+        m_new = gl.where(m_new - m_i > THRESHOLD, m_new, m_i)  # (-inf - -inf is NaN: kept)
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
     else:
@@ -134,8 +140,22 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
     else:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
+    if THRESHOLD > 0 and MASK:
+        alpha = gl.where(m_i == float("-inf"), 1.0, alpha)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP_ONES: gl.constexpr):
+    """O scaled by the rows' alpha; with ``SKIP_ONES`` (``rescale_threshold``) not at all
+    where every alpha of the warpgroup's 64 rows is 1."""
+    if SKIP_ONES:
+        if gl.min(alpha, 0) < 1.0:
+            o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    else:
+        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return o_acc
 
 
 @gluon.jit
@@ -237,7 +257,8 @@ def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
-              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False, Q_REG_COLS: gl.constexpr = 0):
+              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False, Q_REG_COLS: gl.constexpr = 0,
+              THRESHOLD: gl.constexpr = 0.0):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_a``: Q as the A operand (``_q_operand``), ``q_buf``
@@ -256,7 +277,7 @@ def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     s_tok = _issue_s(q_a, q_buf, k_ring.index(stage), s_layout, BLOCK_N, Q_REG_COLS)
     if RESCALE_EARLY:
-        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout)), 1)
+        o_acc = _rescale(o_acc, alpha_prev, o_layout, THRESHOLD > 0)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // V_STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
     _pass_turn(turns, CID, PINGPONG)
@@ -265,11 +286,11 @@ def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
-                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
-        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
     p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
     return o_acc, m_i, l_i, p_prev, alpha
 
@@ -285,7 +306,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
-                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr):
+                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     V_STAGES: gl.constexpr = v_ring.shape[0]
@@ -347,7 +368,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
-                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
             # own rows; unrolled: MASK is a compile-time constant per segment).
@@ -364,10 +385,10 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, Q_REG_COLS)
+                        alpha, RESCALE_EARLY, Q_REG_COLS, THRESHOLD)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
-                o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
             g_last = kv_base + end - 1
             last = g_last % V_STAGES
             _take_turn(turns, turn + end, CID, PINGPONG)
@@ -417,7 +438,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
-                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, V_STAGES: gl.constexpr):
+                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, V_STAGES: gl.constexpr,
+                      THRESHOLD: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -468,7 +490,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -477,7 +499,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -486,7 +508,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -504,7 +526,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -513,7 +535,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -565,7 +587,8 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
-            q_reg_cols(cfg, d), cfg.own_blocks, rescale_early(cfg, params), cfg.v_stages or cfg.stages]
+            q_reg_cols(cfg, d), cfg.own_blocks, rescale_early(cfg, params), cfg.v_stages or cfg.stages,
+            float(cfg.rescale_threshold)]
     return grid, args
 
 
