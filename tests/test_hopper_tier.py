@@ -261,10 +261,8 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 
 # Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
 # previous block's factor before P V is issued; dispatched at 64 / 128 since session 20, at
-# 256 without a mask since session 21: here at every tile and mask) and
-# ``rescale_threshold`` (a row's running max kept until a block raises it by more than 8
-# log2 units, O rescaled only where a row needs it).
-FWD_OPTIONS = [(o, d) for o in (("rescale_early", True), ("rescale_threshold", 8.0)) for d in (64, 128, 192, 256)]
+# 256 without a mask since session 21: here at every tile and mask).
+FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
@@ -296,10 +294,11 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_fwd_rescale_threshold_rising_max(d, mask, sk, monkeypatch):
-    """``rescale_threshold``: scores whose row maxima rise by far more than the threshold
-    from block to block (queries scaled up, every key's norm drawn between 0.05 and 4), so
-    rows both keep a stale max and replace it, in blocks visited in every order; against
-    the fp32 reference."""
+    """``rescale_threshold`` (dispatched at 256 under masks; here at every tile, with O
+    rescaled after P V, where the threshold applies): scores whose row maxima rise by far
+    more than the threshold from block to block (queries scaled up, every key's norm drawn
+    between 0.05 and 4), so rows both keep a stale max and replace it, in blocks visited in
+    every order; against the fp32 reference."""
     import dataclasses
     from triflash.kernels import configs
     causal, window, softcap = MASKS[mask]
@@ -308,8 +307,8 @@ def test_hopper_fwd_rescale_threshold_rising_max(d, mask, sk, monkeypatch):
     norms = 0.05 + 3.95 * torch.rand(2, sk, 1, 1, device="cuda", generator=g)
     k = (torch.randn(2, sk, 2, d, device="cuda", generator=g) * norms).to(torch.bfloat16)
     v = torch.randn(2, sk, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d],
-                                                                        rescale_threshold=8.0))
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(
+        configs.SM90_HOPPER_FWD[d], rescale_threshold=8.0, rescale_early=False, rescale_early_unmasked=False))
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     with triflash.force_backend("hopper"):
         out, lse, *_ = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)

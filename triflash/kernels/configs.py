@@ -113,6 +113,13 @@ class HopperFwdConfig:
     # and its alpha exactly 1, and O is rescaled only where some row of the warpgroup's 64
     # needs it (``hopper.fwd._rescale``; FA4's 8.0). After the first blocks a row's max
     # rarely rises by 8, so most blocks skip the 64 x D multiply (128 FMULs per thread at 256).
+    # Only where O is rescaled after P V retires (not ``rescale_early``): the test and the
+    # warpgroup-wide min between S's issue and P V's cost more than they save there.
+    # Measured (session 24, five interleaved rounds beside cuDNN, probes/probe-rounds-
+    # 6393090.json, TFLOPS off -> 8.0): seed causal (late rescale) 651.8 -> 670.1, every
+    # round above; with the early rescale seed non-causal 679.8 -> 639.5, 128 640.0 -> 640.6
+    # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. Dispatched at 256 (under masks:
+    # without one 256 rescales early).
     rescale_threshold: float = 0.0
     # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
     # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
@@ -370,7 +377,8 @@ SM90_HOPPER_FWD = {
                         rescale_early=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True, rescale_early_unmasked=True),
+    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True, rescale_early_unmasked=True,
+                         rescale_threshold=8.0),
 }
 
 # Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).

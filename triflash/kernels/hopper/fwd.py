@@ -588,7 +588,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
             q_reg_cols(cfg, d), cfg.own_blocks, rescale_early(cfg, params), cfg.v_stages or cfg.stages,
-            float(cfg.rescale_threshold)]
+            0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold)]
     return grid, args
 
 
