@@ -75,6 +75,12 @@ HOPPER_FWD_SPILL_BUDGET = {
     # more values live: 172 B measured dense (bf16 and fp16), 140 B in the KV-cache form,
     # against 8 / 32 B one at a time (its speed with window + softcap is not measured yet)
     ("window-softcap", 256): 192,
+    # at 256 under masks a row keeps its max until a block raises it by 8 (rescale_threshold,
+    # dispatched in session 24): the warpgroup's min of alpha before the branch that skips
+    # O's rescale keeps more live: causal 72 B dense (bf16 and fp16), 84 B in the KV-cache
+    # form (SASS: one spill store and load per key block in two of the four loops), and it
+    # ran 2.8% faster in interleaved rounds (configs.HopperFwdConfig.rescale_threshold)
+    ("causal", 256): 96,
     # head dim 128 holds Q in registers (``q_regs``, dispatched since session 15): the
     # persistent two-Q-slot walk of the plain tile keeps more addresses live next to it
     # (372 B measured, bf16 and fp16; causal and window + softcap 0 B), and ran as fast as
@@ -123,9 +129,9 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # Q's first 128 columns in registers at 256 (q_reg_cols, 32 registers more beside the 64 x 256
-# O accumulator; session 24: plain 72 B, 80 B with a third V slot, causal 8 B, none in the
-# key-block loops' SASS)
-HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET = {("plain", 256): 96, ("causal", 256): 16}
+# O accumulator; session 24: plain 72 B, 80 B with a third V slot, none in the key-block loops'
+# SASS; causal 8 B, 40 B beside rescale_threshold, within the dispatched tile's budget)
+HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET = {("plain", 256): 96}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -150,7 +156,8 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
     ("plain", 256): 192,
-    ("causal", 256): 128,
+    # 184 B with rescale_threshold (session 24; 128 B before)
+    ("causal", 256): 192,
     # 396 B measured with packed_cvt (session 13; 360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores

@@ -47,7 +47,10 @@ class HopperFwdConfig:
     # V's ring deeper than K's (0: ``stages``). A V slot is freed when the second consumer's
     # P V of it retires, a step after its S, so with two slots of each the load of V j + 2
     # starts ~2.25 steps after the first consumer issued S_j and is needed at step 3 (K's
-    # has ~1.25 steps of slack); a third V slot gives it one step more.
+    # has ~1.25 steps of slack); a third V slot gives it one step more. Measured (session 24,
+    # five interleaved rounds, probes/probe-rounds-45e3866.json, TFLOPS off -> 3): seed 673.1
+    # -> 670.6 / 638.1 -> 646.6, 128 634.2 -> 633.1 / 600.9 -> 599.7 (the dispatched tile
+    # measured twice in the same rounds: 629.9 / 598.6): within the spread, off.
     v_stages: int = 0
     pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
@@ -73,6 +76,8 @@ class HopperFwdConfig:
     # ``q_reg_cols`` columns (``hopper.fwd._issue_s``): at head dim 256 the whole Q (64
     # registers) spills, half of it is 32. Where a 64-key S wgmma reads both operands from
     # shared memory it asks 4 KB per 32 cycles of the tensor cores, the whole 128 B / clk.
+    # Measured (session 24, same rounds as ``v_stages``): seed 673.1 -> 659.5 / 638.1 ->
+    # 634.4, with a third V slot 676.0 / 644.9: off (S at 256 is not held up by shared memory).
     q_reg_cols: int = 0
     # Each consumer visits only the key blocks its own 64 rows see (``common.n_block_range``
     # of those rows) and masks only where they need it; the tile's other blocks it merely
