@@ -296,8 +296,9 @@ def test_tile_variants_compile_for_sm90a():
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs``, variants in session 14,
     are dispatched since session 15: the tests above compile them in every form.) The 64 / 128
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
-    forward with Q's first 128 columns in registers at 256 (``q_reg_cols``) and with V's ring
-    a slot deeper than K's (``v_stages``)."""
+    forward with Q's first 128 columns in registers at 256 (``q_reg_cols``), with V's ring
+    a slot deeper than K's (``v_stages``) and with each row's max of S by a tree
+    (``tree_max``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
@@ -313,7 +314,8 @@ def test_tile_variants_compile_for_sm90a():
         (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
         for d in (128, 256) for f in ("causal", "window-softcap")} | {
         (d, f, o) for d, o in ((256, "q_reg_cols=128"), (128, "v_stages=3"),
-                               (256, "v_stages=3"), (256, "v_stages=3,q_reg_cols=128"))
+                               (256, "v_stages=3"), (256, "v_stages=3,q_reg_cols=128"),
+                               (64, "tree_max=True"), (128, "tree_max=True"), (256, "tree_max=True"))
         for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r

@@ -116,8 +116,9 @@ class HopperFwdConfig:
     # A row keeps its running max unless a block raises it by more than this many log2 units
     # (0: the exact running max, every block rescales O): its p are then at most 2^threshold
     # and its alpha exactly 1, and O is rescaled only where some row of the warpgroup's 64
-    # needs it (``hopper.fwd._rescale``; FA4's 8.0). After the first blocks a row's max
-    # rarely rises by 8, so most blocks skip the 64 x D multiply (128 FMULs per thread at 256).
+    # needs it (``hopper.fwd._rescale``; FA4's 8.0 on Blackwell). After the first blocks a
+    # row's max rarely rises by 8, so most blocks skip the 64 x D multiply (128 FMULs per
+    # thread at 256).
     # Only where O is rescaled after P V retires (not ``rescale_early``): the test and the
     # warpgroup-wide min between S's issue and P V's cost more than they save there.
     # Measured (session 24, five interleaved rounds beside cuDNN, probes/probe-rounds-
@@ -126,6 +127,12 @@ class HopperFwdConfig:
     # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. Dispatched at 256 (under masks:
     # without one 256 rescales early).
     rescale_threshold: float = 0.0
+    # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
+    # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
+    # one FMNMX chain through all of the thread's 32 (128 keys) or 16 columns of the row,
+    # whose latency sits between S's wait and the first exponential (FA4 keeps 4 chains).
+    # The same maxima, bit for bit.
+    tree_max: bool = False
     # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
     # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
     # probes/variants-e97395a.tar.gz: ``thread_arrives``, every consumer thread arriving on

@@ -110,9 +110,43 @@ def _q_slot(local, Q_SLOTS: gl.constexpr):
 
 
 @gluon.jit
+def _halve_max(x):
+    """[M, N] -> [M, N / 2]: the elementwise max of the two column halves (each thread holds
+    both halves of its columns in the wgmma accumulator layout: no data moves)."""
+    M: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    a, b = x.reshape([M, 2, N // 2]).permute(0, 2, 1).split()
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _row_max(s, TREE: gl.constexpr):
+    """Each row's max of a wgmma accumulator tile. ``TREE`` (``HopperFwdConfig.tree_max``): the
+    thread's own columns halved pairwise down to 8 columns first (a few independent
+    FMNMX per level), then the quad's shuffles, instead of one FMNMX chain through all of a
+    thread's columns of the row (32 deep at 128 keys). Max is exact: the same result."""
+    if TREE:
+        row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+        x = s
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        # (the same rows on the same threads: a conversion that moves nothing)
+        return gl.convert_layout(gl.max(x, 1), row_layout)
+    else:
+        return gl.max(s, 1)
+
+
+@gluon.jit
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, THRESHOLD: gl.constexpr = 0.0):
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, THRESHOLD: gl.constexpr = 0.0,
+                    TREE_MAX: gl.constexpr = False):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
     each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
@@ -126,9 +160,9 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
         s = gl.where(visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), len_q, len_k,
                              window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
     if SOFTCAP:
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, _row_max(s, TREE_MAX))
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(s, TREE_MAX) * qk_scale)
     if THRESHOLD > 0:
         m_new = gl.where(m_new - m_i > THRESHOLD, m_new, m_i)  # (-inf - -inf is NaN: kept)
     if MASK:
@@ -258,7 +292,7 @@ def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False, Q_REG_COLS: gl.constexpr = 0,
-              THRESHOLD: gl.constexpr = 0.0):
+              THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_a``: Q as the A operand (``_q_operand``), ``q_buf``
@@ -286,7 +320,7 @@ def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
-                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD)
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
@@ -306,7 +340,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
-                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr):
+                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
+                  TREE_MAX: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     V_STAGES: gl.constexpr = v_ring.shape[0]
@@ -368,7 +403,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
-                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD)
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
             # own rows; unrolled: MASK is a compile-time constant per segment).
@@ -385,7 +420,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, Q_REG_COLS, THRESHOLD)
+                        alpha, RESCALE_EARLY, Q_REG_COLS, THRESHOLD, TREE_MAX)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
@@ -439,7 +474,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
                       OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, V_STAGES: gl.constexpr,
-                      THRESHOLD: gl.constexpr):
+                      THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -490,7 +525,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -499,7 +534,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -508,7 +543,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -526,7 +561,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -535,7 +570,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -588,7 +623,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
             q_reg_cols(cfg, d), cfg.own_blocks, rescale_early(cfg, params), cfg.v_stages or cfg.stages,
-            0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold)]
+            0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold), cfg.tree_max]
     return grid, args
 
 
