@@ -203,12 +203,14 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 # Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
 # dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128 since
 # session 15, here off), ``q_reg_cols`` (Q's first 128 columns in registers at 256, the rest
-# from shared memory), ``v_stages`` (V's ring deeper than K's) and ``tree_max`` (each row's
-# max of S by a tree: max is exact, so the same maxima).
+# from shared memory), ``v_stages`` (V's ring deeper than K's), ``tree_max`` (each row's
+# max of S by a tree: max is exact, so the same maxima) and ``pingpong`` flipped (the three
+# consumers of 64 taking turns round robin; 128 / 256 without turns).
 FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False)), (192, dict(q_reg_cols=128)),
                  (256, dict(q_reg_cols=128)), (128, dict(v_stages=3)),
                  (256, dict(v_stages=3)), (256, dict(v_stages=3, q_reg_cols=128)),
-                 (64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True))]
+                 (64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
+                 (64, dict(pingpong=True)), (128, dict(pingpong=False)), (256, dict(pingpong=False))]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
@@ -216,8 +218,9 @@ FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False)), (192, dict
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d,option", FWD_SAME_BITS, ids=lambda x: str(x))
 def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatch):
-    """Where Q is read from (registers or shared memory), how deep V's ring is and in which
-    order a row's max is taken change neither the products nor the order of the sums (a
+    """Where Q is read from (registers or shared memory), how deep V's ring is, in which
+    order a row's max is taken and in which order the consumers issue their wgmmas change
+    neither the products nor the order of the sums (a
     wgmma chain over the head dim accumulates its k-steps in order): out and lse keep the
     dispatched tile's bits. Dense
     tiles of every walk (one CTA per tile, persistent, scheduled under masks) and a varlen

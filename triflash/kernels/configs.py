@@ -52,7 +52,9 @@ class HopperFwdConfig:
     # -> 670.6 / 638.1 -> 646.6, 128 634.2 -> 633.1 / 600.9 -> 599.7 (the dispatched tile
     # measured twice in the same rounds: 629.9 / 598.6): within the spread, off.
     v_stages: int = 0
-    pingpong: bool = False     # consumers take turns issuing wgmmas (FA3's scheduler barrier)
+    # consumers take turns issuing wgmmas (FA3's scheduler barrier; three consumers in a round
+    # robin, as FA4's head-dim-64 forward)
+    pingpong: bool = False
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
     # wgmma; the same values). On since session 13: in interleaved rounds on the H200
     # (probes/probe-rounds-packed-8ce1f2a.json, non-causal / causal TFLOPS, off -> on) 64

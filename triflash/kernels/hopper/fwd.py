@@ -229,16 +229,19 @@ def _issue_s(q_a, q_buf, k_tile, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 @gluon.jit
 def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
-    """Pingpong: wait until the other consumer has issued its wgmmas (FA3's warp scheduler
-    barrier), so one warpgroup's softmax runs under the other's matrix multiplies."""
+    """Pingpong: wait until the consumer before has issued its wgmmas (FA3's warp scheduler
+    barrier; with three consumers a round robin, as FA4's at head dim 64), so one
+    warpgroup's softmax runs under the others' matrix multiplies."""
     if PINGPONG:
         mbarrier.wait(turns.index(CID), turn & 1)
 
 
 @gluon.jit
 def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """... to the next consumer (round robin over two or three)."""
+    N: gl.constexpr = turns.shape[0]
     if PINGPONG:
-        mbarrier.arrive(turns.index(1 - CID))
+        mbarrier.arrive(turns.index((CID + 1) % N))
 
 
 @gluon.jit
@@ -482,7 +485,6 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     gl.static_assert(BM == 64, "one warpgroup owns 64 query rows")
     gl.static_assert(HEAD_DIM <= D, "the tensors' head dim (columns past it are padding)")
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
-    gl.static_assert(not (PINGPONG and NUM_CONSUMERS != 2), "pingpong takes turns between two consumers")
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
@@ -496,7 +498,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # pingpong: one turn barrier per consumer, round robin (FA4's scheduler barriers)
+    TURNS: gl.constexpr = NUM_CONSUMERS if PINGPONG else 2
+    turns = gl.allocate_shared_memory(gl.int64, [TURNS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=NUM_CONSUMERS)
@@ -509,7 +513,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     for i in gl.static_range(STAGES, V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
-    for i in gl.static_range(2):
+    for i in gl.static_range(TURNS):
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0))  # consumer 0 issues first
 
