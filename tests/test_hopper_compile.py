@@ -133,8 +133,9 @@ HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # SASS; causal 8 B, 40 B beside rescale_threshold, within the dispatched tile's budget)
 HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET = {("plain", 256): 96}
 # 128 without pingpong turns (session 24, an option): the persistent plain tile spills 452 B
-# (372 B with them), two spill stores and loads per key block in two of its loops (one with)
-HOPPER_FWD_PINGPONG_SPILL_BUDGET = {("plain", 128): 512}
+# (372 B with them), two spill stores and loads per key block in two of its loops (one with);
+# with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B
+HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -301,7 +302,8 @@ def test_tile_variants_compile_for_sm90a():
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
     forward with Q's first 128 columns in registers at 256 (``q_reg_cols``), with V's ring
     a slot deeper than K's (``v_stages``), with each row's max of S by a tree
-    (``tree_max``) and with ``pingpong`` flipped (64: three consumers round robin)."""
+    (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin) and with
+    per-thread partial row sums (``sum_partial``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
@@ -319,7 +321,8 @@ def test_tile_variants_compile_for_sm90a():
         (d, f, o) for d, o in ((256, "q_reg_cols=128"), (128, "v_stages=3"),
                                (256, "v_stages=3"), (256, "v_stages=3,q_reg_cols=128"),
                                (64, "tree_max=True"), (128, "tree_max=True"), (256, "tree_max=True"),
-                               (64, "pingpong=True"), (128, "pingpong=False"), (256, "pingpong=False"))
+                               (64, "pingpong=True"), (128, "pingpong=False"), (256, "pingpong=False"),
+                               (64, "sum_partial=True"), (128, "sum_partial=True"), (256, "sum_partial=True"))
         for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
@@ -335,8 +338,8 @@ def test_tile_variants_compile_for_sm90a():
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
             if "q_reg_cols" in r.get("option", ""):
                 budget = {**budget, **HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET}
-            if "pingpong" in r.get("option", ""):
-                budget = {**budget, **HOPPER_FWD_PINGPONG_SPILL_BUDGET}
+            if "pingpong" in r.get("option", "") or "sum_partial" in r.get("option", ""):
+                budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         else:

@@ -267,8 +267,9 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 
 # Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
 # previous block's factor before P V is issued; dispatched at 64 / 128 since session 20, at
-# 256 without a mask since session 21: here at every tile and mask).
-FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)]
+# 256 without a mask since session 21: here at every tile and mask) and ``sum_partial``
+# (each row's running sum kept as per-thread partials, added across the quad once per tile).
+FWD_OPTIONS = [((o, True), d) for o in ("rescale_early", "sum_partial") for d in (64, 128, 192, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],

@@ -135,6 +135,10 @@ class HopperFwdConfig:
     # whose latency sits between S's wait and the first exponential (FA4 keeps 4 chains).
     # The same maxima, bit for bit.
     tree_max: bool = False
+    # Each row's running sum l kept as per-thread partial sums over the thread's own columns
+    # (a tree, no shuffles) and added across the quad once per tile, not every block (FA4's
+    # Hopper softmax): two shuffles and two adds fewer per row and block, other rounding.
+    sum_partial: bool = False
     # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
     # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
     # probes/variants-e97395a.tar.gz: ``thread_arrives``, every consumer thread arriving on

@@ -303,11 +303,13 @@ def all_variants():
                          packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
     # the forward with Q's first 128 columns in registers at 256 (q_reg_cols) and with V's
     # ring a slot deeper than K's (v_stages), with each row's max of S by a tree (tree_max), and
-    # with pingpong flipped (64: the three consumers' turns round robin)
+    # with pingpong flipped (64: the three consumers' turns round robin), and with per-thread
+    # partial row sums (sum_partial)
     for d, option in ((256, dict(q_reg_cols=128)), (128, dict(v_stages=3)),
                       (256, dict(v_stages=3)), (256, dict(v_stages=3, q_reg_cols=128)),
                       (64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
-                      (64, dict(pingpong=True)), (128, dict(pingpong=False)), (256, dict(pingpong=False))):
+                      (64, dict(pingpong=True)), (128, dict(pingpong=False)), (256, dict(pingpong=False)),
+                      (64, dict(sum_partial=True)), (128, dict(sum_partial=True)), (256, dict(sum_partial=True))):
         c = configs.SM90_HOPPER_FWD[d]
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),

@@ -120,6 +120,50 @@ def _halve_max(x):
 
 
 @gluon.jit
+def _halve_sum(x):
+    """[M, N] -> [M, N / 2]: the two column halves added (moves no data, as ``_halve_max``)."""
+    M: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    a, b = x.reshape([M, 2, N // 2]).permute(0, 2, 1).split()
+    return a + b
+
+
+@gluon.jit
+def _partial_sums(p):
+    """[M, N] -> [M, 8]: each row's sum over the thread's own columns, by a tree, without the
+    quad's shuffles (``HopperFwdConfig.sum_partial``; ``_row_sum`` adds the 8 at the end)."""
+    x = p
+    if x.shape[1] > 8:
+        x = _halve_sum(x)
+    if x.shape[1] > 8:
+        x = _halve_sum(x)
+    if x.shape[1] > 8:
+        x = _halve_sum(x)
+    if x.shape[1] > 8:
+        x = _halve_sum(x)
+    return x
+
+
+@gluon.jit
+def _l_init(BM: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, PARTIAL: gl.constexpr):
+    """The running row sums l at 0: [BM] per row, or with ``PARTIAL`` [BM, 8] per-thread
+    partial sums (the layout ``_partial_sums`` leaves)."""
+    if PARTIAL:
+        return _partial_sums(gl.zeros([BM, BLOCK_N], gl.float32, s_layout))
+    else:
+        return gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
+
+
+@gluon.jit
+def _row_sum(l, row_layout: gl.constexpr, PARTIAL: gl.constexpr):
+    """The rows' l from the running sums (``_l_init``): the quad's shuffles once per tile."""
+    if PARTIAL:
+        return gl.convert_layout(gl.sum(l, 1), row_layout)
+    else:
+        return l
+
+
+@gluon.jit
 def _row_max(s, TREE: gl.constexpr):
     """Each row's max of a wgmma accumulator tile. ``TREE`` (``HopperFwdConfig.tree_max``): the
     thread's own columns halved pairwise down to 8 columns first (a few independent
@@ -146,7 +190,7 @@ def _row_max(s, TREE: gl.constexpr):
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, THRESHOLD: gl.constexpr = 0.0,
-                    TREE_MAX: gl.constexpr = False):
+                    TREE_MAX: gl.constexpr = False, SUM_PARTIAL: gl.constexpr = False):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
     each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
@@ -176,7 +220,11 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
     alpha = gl.exp2(m_i - m_use)
     if THRESHOLD > 0 and MASK:
         alpha = gl.where(m_i == float("-inf"), 1.0, alpha)
-    l_new = l_i * alpha + gl.sum(p, 1)
+    if SUM_PARTIAL:  # l_i: [BM, 8] per-thread partial sums (``_l_init``)
+        part = _partial_sums(p)
+        l_new = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)), 1) + part
+    else:
+        l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
@@ -295,7 +343,8 @@ def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False, Q_REG_COLS: gl.constexpr = 0,
-              THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False):
+              THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
+              SUM_PARTIAL: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_a``: Q as the A operand (``_q_operand``), ``q_buf``
@@ -323,7 +372,8 @@ def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
-                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX)
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
+                                         SUM_PARTIAL)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
@@ -344,7 +394,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
-                  TREE_MAX: gl.constexpr):
+                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     V_STAGES: gl.constexpr = v_ring.shape[0]
@@ -369,7 +419,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         row_start = row0 + CID * BM
         rows = row_start + gl.arange(0, BM, layout=row_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([BM], gl.float32, layout=row_layout)
+        l_i = _l_init(BM, BLOCK_N, s_layout, SUM_PARTIAL)
         o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
         slot, use = _q_slot(local, Q_SLOTS)
         q_buf = q_bufs.index(slot * NUM_CONSUMERS + CID)
@@ -406,7 +456,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
-                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX)
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
+                                                 SUM_PARTIAL)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
             # own rows; unrolled: MASK is a compile-time constant per segment).
@@ -423,7 +474,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, Q_REG_COLS, THRESHOLD, TREE_MAX)
+                        alpha, RESCALE_EARLY, Q_REG_COLS, THRESHOLD, TREE_MAX, SUM_PARTIAL)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
@@ -450,8 +501,9 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         kv_base += count
 
         # A row that saw no key: output 0, lse = -inf (never NaN).
-        seen = l_i > 0.0
-        l_safe = gl.where(seen, l_i, 1.0)
+        l_row = _row_sum(l_i, row_layout, SUM_PARTIAL)
+        seen = l_row > 0.0
+        l_safe = gl.where(seen, l_row, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
         gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
@@ -477,7 +529,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
                       OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, V_STAGES: gl.constexpr,
-                      THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr):
+                      THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -529,7 +581,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -538,7 +590,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -547,7 +599,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -565,7 +617,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -574,7 +626,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -627,7 +679,8 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
             q_reg_cols(cfg, d), cfg.own_blocks, rescale_early(cfg, params), cfg.v_stages or cfg.stages,
-            0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold), cfg.tree_max]
+            0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold), cfg.tree_max,
+            cfg.sum_partial]
     return grid, args
 
 
