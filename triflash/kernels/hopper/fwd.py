@@ -110,38 +110,39 @@ def _q_slot(local, Q_SLOTS: gl.constexpr):
 
 
 @gluon.jit
-def _halve_max(x):
-    """[M, N] -> [M, N / 2]: the elementwise max of the two column halves (each thread holds
-    both halves of its columns in the wgmma accumulator layout: no data moves)."""
+def _halve(x, ADD: gl.constexpr):
+    """[M, N] -> [M, N / 2]: the two column halves added (``ADD``) or maxed elementwise. In
+    the wgmma accumulator layout each thread holds both halves of its columns: no data
+    moves."""
     M: gl.constexpr = x.shape[0]
     N: gl.constexpr = x.shape[1]
     a, b = x.reshape([M, 2, N // 2]).permute(0, 2, 1).split()
-    return gl.maximum(a, b)
+    if ADD:
+        return a + b
+    else:
+        return gl.maximum(a, b)
 
 
 @gluon.jit
-def _halve_sum(x):
-    """[M, N] -> [M, N / 2]: the two column halves added (moves no data, as ``_halve_max``)."""
-    M: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    a, b = x.reshape([M, 2, N // 2]).permute(0, 2, 1).split()
-    return a + b
+def _fold8(x, ADD: gl.constexpr):
+    """[M, N] -> [M, 8] by halving (``_halve``): each row's sum or max over the thread's own
+    columns, by a tree (independent operations at each level), without the quad's shuffles."""
+    if x.shape[1] > 8:
+        x = _halve(x, ADD)
+    if x.shape[1] > 8:
+        x = _halve(x, ADD)
+    if x.shape[1] > 8:
+        x = _halve(x, ADD)
+    if x.shape[1] > 8:
+        x = _halve(x, ADD)
+    return x
 
 
 @gluon.jit
 def _partial_sums(p):
-    """[M, N] -> [M, 8]: each row's sum over the thread's own columns, by a tree, without the
-    quad's shuffles (``HopperFwdConfig.sum_partial``; ``_row_sum`` adds the 8 at the end)."""
-    x = p
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    return x
+    """[M, N] -> [M, 8] per-thread partial row sums (``HopperFwdConfig.sum_partial``;
+    ``_row_sum`` adds the 8 at the end)."""
+    return _fold8(p, True)
 
 
 @gluon.jit
@@ -171,17 +172,8 @@ def _row_max(s, TREE: gl.constexpr):
     thread's columns of the row (32 deep at 128 keys). Max is exact: the same result."""
     if TREE:
         row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-        x = s
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        if x.shape[1] > 8:
-            x = _halve_max(x)
         # (the same rows on the same threads: a conversion that moves nothing)
-        return gl.convert_layout(gl.max(x, 1), row_layout)
+        return gl.convert_layout(gl.max(_fold8(s, False), 1), row_layout)
     else:
         return gl.max(s, 1)
 
