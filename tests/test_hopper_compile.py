@@ -128,10 +128,6 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
-# Q's first 128 columns in registers at 256 (q_reg_cols, 32 registers more beside the 64 x 256
-# O accumulator; session 24: plain 72 B, 80 B with a third V slot, none in the key-block loops'
-# SASS; causal 8 B, 40 B beside rescale_threshold, within the dispatched tile's budget)
-HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET = {("plain", 256): 96}
 # 128 without pingpong turns (session 24, an option): the persistent plain tile spills 452 B
 # (372 B with them), two spill stores and loads per key block in two of its loops (one with);
 # with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B
@@ -300,8 +296,7 @@ def test_tile_variants_compile_for_sm90a():
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs``, variants in session 14,
     are dispatched since session 15: the tests above compile them in every form.) The 64 / 128
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
-    forward with Q's first 128 columns in registers at 256 (``q_reg_cols``), with V's ring
-    a slot deeper than K's (``v_stages``), with each row's max of S by a tree
+    forward with each row's max of S by a tree
     (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin) and with
     per-thread partial row sums (``sum_partial``)."""
     from triflash.kernels import configs
@@ -318,9 +313,7 @@ def test_tile_variants_compile_for_sm90a():
         (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")} | {
         (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
         for d in (128, 256) for f in ("causal", "window-softcap")} | {
-        (d, f, o) for d, o in ((256, "q_reg_cols=128"), (128, "v_stages=3"),
-                               (256, "v_stages=3"), (256, "v_stages=3,q_reg_cols=128"),
-                               (64, "tree_max=True"), (128, "tree_max=True"), (256, "tree_max=True"),
+        (d, f, o) for d, o in ((64, "tree_max=True"), (128, "tree_max=True"), (256, "tree_max=True"),
                                (64, "pingpong=True"), (128, "pingpong=False"), (256, "pingpong=False"),
                                (64, "sum_partial=True"), (128, "sum_partial=True"), (256, "sum_partial=True"))
         for f in ("plain", "causal")}
@@ -336,8 +329,6 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if "q_reg_cols" in r.get("option", ""):
-                budget = {**budget, **HOPPER_FWD_Q_REG_COLS_SPILL_BUDGET}
             if "pingpong" in r.get("option", "") or "sum_partial" in r.get("option", ""):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":

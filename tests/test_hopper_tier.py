@@ -202,14 +202,10 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 
 # Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
 # dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128 since
-# session 15, here off), ``q_reg_cols`` (Q's first 128 columns in registers at 256, the rest
-# from shared memory), ``v_stages`` (V's ring deeper than K's), ``tree_max`` (each row's
-# max of S by a tree: max is exact, so the same maxima) and ``pingpong`` flipped (the three
-# consumers of 64 taking turns round robin; 128 / 256 without turns).
-FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False)), (192, dict(q_reg_cols=128)),
-                 (256, dict(q_reg_cols=128)), (128, dict(v_stages=3)),
-                 (256, dict(v_stages=3)), (256, dict(v_stages=3, q_reg_cols=128)),
-                 (64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
+# session 15, here off), ``tree_max`` (each row's max of S by a tree: max is exact, so the
+# same maxima) and ``pingpong`` flipped (the three consumers of 64 taking turns round robin;
+# 128 / 256 without turns).
+FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False)), (64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
                  (64, dict(pingpong=True)), (128, dict(pingpong=False)), (256, dict(pingpong=False))]
 
 
@@ -218,11 +214,9 @@ FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False)), (192, dict
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d,option", FWD_SAME_BITS, ids=lambda x: str(x))
 def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatch):
-    """Where Q is read from (registers or shared memory), how deep V's ring is, in which
-    order a row's max is taken and in which order the consumers issue their wgmmas change
-    neither the products nor the order of the sums (a
-    wgmma chain over the head dim accumulates its k-steps in order): out and lse keep the
-    dispatched tile's bits. Dense
+    """Where Q is read from (registers or shared memory), in which order a row's max is taken
+    and in which order the consumers issue their wgmmas change neither the products nor the
+    order of the sums: out and lse keep the dispatched tile's bits. Dense
     tiles of every walk (one CTA per tile, persistent, scheduled under masks) and a varlen
     batch."""
     import dataclasses

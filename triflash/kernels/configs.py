@@ -44,14 +44,6 @@ class HopperFwdConfig:
     block_n: int
     stages: int
     num_consumers: int = 2
-    # V's ring deeper than K's (0: ``stages``). A V slot is freed when the second consumer's
-    # P V of it retires, a step after its S, so with two slots of each the load of V j + 2
-    # starts ~2.25 steps after the first consumer issued S_j and is needed at step 3 (K's
-    # has ~1.25 steps of slack); a third V slot gives it one step more. Measured (session 24,
-    # five interleaved rounds, probes/probe-rounds-45e3866.json, TFLOPS off -> 3): seed 673.1
-    # -> 670.6 / 638.1 -> 646.6, 128 634.2 -> 633.1 / 600.9 -> 599.7 (the dispatched tile
-    # measured twice in the same rounds: 629.9 / 598.6): within the spread, off.
-    v_stages: int = 0
     # consumers take turns issuing wgmmas (FA3's scheduler barrier; three consumers in a round
     # robin, as FA4's head-dim-64 forward)
     pingpong: bool = False
@@ -73,14 +65,12 @@ class HopperFwdConfig:
     # 430.2 -> 429.3: dispatched at 128; 64 (three consumers) 514.2 -> 492.2 / 453.2 ->
     # 452.6 and 256 (spills 1.2-2 KB) 685.6 -> 359.1 / 652.0 -> 345.8: not there.
     q_regs: bool = False
-    # Q's first ``q_reg_cols`` head-dim columns in registers as the A operand of the S wgmma
-    # over those columns, the rest read from the shared tile by one wgmma per further
-    # ``q_reg_cols`` columns (``hopper.fwd._issue_s``): at head dim 256 the whole Q (64
-    # registers) spills, half of it is 32. Where a 64-key S wgmma reads both operands from
-    # shared memory it asks 4 KB per 32 cycles of the tensor cores, the whole 128 B / clk.
-    # Measured (session 24, same rounds as ``v_stages``): seed 673.1 -> 659.5 / 638.1 ->
-    # 634.4, with a third V slot 676.0 / 644.9: off (S at 256 is not held up by shared memory).
-    q_reg_cols: int = 0
+    # (Measured and removed in session 24, five interleaved rounds, probes/probe-rounds-
+    # 45e3866.json, TFLOPS non-causal / causal, dispatched -> option: Q's first 128 columns in
+    # registers at 256, S as two chained wgmmas, ``q_reg_cols``, seed 673.1 -> 659.5 / 638.1
+    # -> 634.4; V's ring a slot deeper than K's, ``v_stages``, seed 670.6 / 646.6, 128 634.2
+    # -> 633.1 / 600.9 -> 599.7, the dispatched 128 tile measured twice in the same rounds
+    # 629.9 / 598.6; both together 676.0 / 644.9: inside the rounds' spread.)
     # Each consumer visits only the key blocks its own 64 rows see (``common.n_block_range``
     # of those rows) and masks only where they need it; the tile's other blocks it merely
     # waits for and releases (``hopper.fwd._own_blocks``). Under causal / window masks a

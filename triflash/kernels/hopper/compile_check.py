@@ -253,8 +253,8 @@ def all_variants():
     key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
     and V's slots (``dq_split_v`` off) and of a varlen batch with 64-key ones
     (``dq_split_v_varlen``), and the forward rescaling O before P V
-    (``rescale_early``), with part of Q in registers (``q_reg_cols``) and with a deeper V
-    ring (``v_stages``)."""
+    (``rescale_early``), with its row max by a tree (``tree_max``), ``pingpong`` flipped and
+    per-thread partial row sums (``sum_partial``)."""
     import dataclasses
 
     from .. import configs
@@ -301,13 +301,10 @@ def all_variants():
         rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
                                     v_stages=1),
                          packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
-    # the forward with Q's first 128 columns in registers at 256 (q_reg_cols) and with V's
-    # ring a slot deeper than K's (v_stages), with each row's max of S by a tree (tree_max), and
+    # the forward with each row's max of S by a tree (tree_max),
     # with pingpong flipped (64: the three consumers' turns round robin), and with per-thread
     # partial row sums (sum_partial)
-    for d, option in ((256, dict(q_reg_cols=128)), (128, dict(v_stages=3)),
-                      (256, dict(v_stages=3)), (256, dict(v_stages=3, q_reg_cols=128)),
-                      (64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
+    for d, option in ((64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
                       (64, dict(pingpong=True)), (128, dict(pingpong=False)), (256, dict(pingpong=False)),
                       (64, dict(sum_partial=True)), (128, dict(sum_partial=True)), (256, dict(sum_partial=True))):
         c = configs.SM90_HOPPER_FWD[d]

@@ -3,7 +3,7 @@
 One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, head):
 
 * **loader** (1 warp, few registers): TMA-loads each consumer's 64-row Q tile once, then
-  streams K and V tiles of the visited key blocks into rings ``STAGES`` (V: ``V_STAGES``) deep. Each slot has
+  streams K and V tiles of the visited key blocks into ``STAGES``-deep rings. Each slot has
   a ``ready`` barrier (TMA completes it with the byte count) and a ``free`` barrier (every
   consumer arrives when its wgmma has read the slot).
 * **consumers** (one warpgroup each, 64 query rows each): per key block
@@ -60,7 +60,6 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                 SCHEDULED: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
-    V_STAGES: gl.constexpr = v_ring.shape[0]
     kv_base = 0
     local = 0
     first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
@@ -91,11 +90,10 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                             k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
-            vs = g % V_STAGES
-            mbarrier.wait(v_free.index(vs), ((g // V_STAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+            mbarrier.wait(v_free.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                                            v_ready.index(vs), _tma_view(v_ring.index(vs), v_desc))
+                                            v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
         kv_base += count
         local += 1
 
@@ -233,41 +231,6 @@ def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP_ONES: gl.constexpr):
 
 
 @gluon.jit
-def _q_operand(q_buf, Q_REG_COLS: gl.constexpr, s_layout: gl.constexpr):
-    """Q as the A operand of the S = Q K^T wgmmas: its shared tile, or its first
-    ``Q_REG_COLS`` columns loaded once into registers (all of them: ``q_regs``; fewer:
-    ``q_reg_cols``, the rest read from the shared tile)."""
-    if Q_REG_COLS == 0:
-        return q_buf
-    elif Q_REG_COLS == q_buf.shape[1]:
-        return a_operand(q_buf, True, s_layout)
-    else:
-        return a_operand(q_buf.slice(0, Q_REG_COLS, dim=1), True, s_layout)
-
-
-@gluon.jit
-def _issue_s(q_a, q_buf, k_tile, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, Q_REG_COLS: gl.constexpr):
-    """Issue S = Q K^T (async): one wgmma, or with Q's first ``Q_REG_COLS`` columns in
-    registers (``_q_operand``) one for those and one per further ``Q_REG_COLS`` columns
-    from the shared tile, accumulating in turn (a wait for all but the last group still
-    waits for all of S)."""
-    BM: gl.constexpr = q_buf.shape[0]
-    D: gl.constexpr = q_buf.shape[1]
-    zero = gl.zeros([BM, BLOCK_N], gl.float32, s_layout)
-    if Q_REG_COLS == 0 or Q_REG_COLS == D:
-        tok = warpgroup_mma(q_a, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    else:
-        gl.static_assert(D % Q_REG_COLS == 0, "Q's head dim in pieces of Q_REG_COLS columns")
-        tok = warpgroup_mma(q_a, k_tile.slice(0, Q_REG_COLS, dim=1).permute((1, 0)), zero,
-                            use_acc=False, is_async=True)
-        for c in gl.static_range(1, D // Q_REG_COLS):
-            tok = warpgroup_mma(q_buf.slice(c * Q_REG_COLS, Q_REG_COLS, dim=1),
-                                k_tile.slice(c * Q_REG_COLS, Q_REG_COLS, dim=1).permute((1, 0)), tok,
-                                is_async=True)
-    return tok
-
-
-@gluon.jit
 def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
     """Pingpong: wait until the consumer before has issued its wgmmas (FA3's warp scheduler
     barrier; with three consumers a round robin, as FA4's at head dim 64), so one
@@ -313,7 +276,7 @@ def _own_blocks(row_start, len_q, len_k, window_left, window_right, n_min, n_ful
 
 @gluon.jit
 def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.constexpr, CID: gl.constexpr,
-               PINGPONG: gl.constexpr, V_STAGES: gl.constexpr):
+               PINGPONG: gl.constexpr):
     """A key block none of this consumer's rows sees: its turn is taken and passed, its ring
     slot waited for (an arrival must not count toward the slot's previous phase) and
     released."""
@@ -323,40 +286,41 @@ def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.cons
     _pass_turn(turns, CID, PINGPONG)
     mbarrier.wait(k_ready.index(stage), phase)
     mbarrier.arrive(k_free.index(stage))
-    mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
-    mbarrier.arrive(v_free.index(g % V_STAGES))
+    mbarrier.wait(v_ready.index(stage), phase)
+    mbarrier.arrive(v_free.index(stage))
 
 
 @gluon.jit
-def _fwd_step(g, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns, turn,
+def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns, turn,
               o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
               qk_scale, softcap_log2, window_left, window_right,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
-              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False, Q_REG_COLS: gl.constexpr = 0,
+              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
               THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
               SUM_PARTIAL: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
-    returns the state with P_it pending. ``q_a``: Q as the A operand (``_q_operand``), ``q_buf``
-    its shared tile. ``RESCALE_EARLY``: O is rescaled by the previous block's
+    returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
+    registers (``Q_REGS``). ``RESCALE_EARLY``: O is rescaled by the previous block's
     ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
     order at head dims above 128), instead of after that wgmma retires. The block's alpha
     is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
-    V_STAGES: gl.constexpr = v_ring.shape[0]
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
     o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
     stage = g % STAGES
-    prev = (g - 1) % V_STAGES
+    prev = (g - 1) % STAGES
     _take_turn(turns, turn, CID, PINGPONG)
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
-    s_tok = _issue_s(q_a, q_buf, k_ring.index(stage), s_layout, BLOCK_N, Q_REG_COLS)
+    s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
+                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
     if RESCALE_EARLY:
         o_acc = _rescale(o_acc, alpha_prev, o_layout, THRESHOLD > 0)
-    mbarrier.wait(v_ready.index(prev), ((g - 1) // V_STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
     _pass_turn(turns, CID, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
@@ -384,12 +348,11 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
+                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
                   TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
-    V_STAGES: gl.constexpr = v_ring.shape[0]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_bufs.dtype)
     o_layout: gl.constexpr = _acc_layout(DV, q_bufs.dtype)
@@ -416,7 +379,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         slot, use = _q_slot(local, Q_SLOTS)
         q_buf = q_bufs.index(slot * NUM_CONSUMERS + CID)
         mbarrier.wait(q_ready.index(slot), use & 1)
-        q_a = _q_operand(q_buf, Q_REG_COLS, s_layout)
+        q_a = a_operand(q_buf, Q_REGS, s_layout)  # (Q_REGS: every S wgmma reads Q from registers)
         count = n_max - n_min
         # This warpgroup's own key blocks (``_own_blocks``): of the tile's ``count`` (visited
         # from the last), the first ``lead`` and those after ``end`` hold no key any of its
@@ -427,7 +390,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for it in range(0, lead):
                 _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it, STAGES, CID,
-                           PINGPONG, V_STAGES)
+                           PINGPONG)
         else:  # the tile's range for every consumer
             lead: gl.constexpr = 0
             end = count
@@ -441,7 +404,9 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             stage = g0 % STAGES
             _take_turn(turns, turn + lead, CID, PINGPONG)
             mbarrier.wait(k_ready.index(stage), (g0 // STAGES) & 1)
-            s_tok = _issue_s(q_a, q_buf, k_ring.index(stage), s_layout, BLOCK_N, Q_REG_COLS)
+            s_tok = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
+                                  gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                                  use_acc=False, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_free.index(stage))
@@ -462,18 +427,18 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             for seg in gl.static_range(3):
                 for it in range(bounds[seg], bounds[seg + 1]):
                     o_acc, m_i, l_i, p_prev, alpha = _fwd_step(
-                        kv_base + it, it, n_max, q_a, q_buf, k_ring, v_ring, k_ready, v_ready, k_free,
+                        kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, Q_REG_COLS, THRESHOLD, TREE_MAX, SUM_PARTIAL)
+                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
             g_last = kv_base + end - 1
-            last = g_last % V_STAGES
+            last = g_last % STAGES
             _take_turn(turns, turn + end, CID, PINGPONG)
-            mbarrier.wait(v_ready.index(last), (g_last // V_STAGES) & 1)
+            mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
             o_tok = warpgroup_mma(p_prev, v_ring.index(last), o_acc, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
@@ -481,7 +446,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             if OWN_BLOCKS and HAS_LEFT:  # blocks left of its rows' window
                 for it in range(end, count):
                     _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it + 1,
-                               STAGES, CID, PINGPONG, V_STAGES)
+                               STAGES, CID, PINGPONG)
             if not OWN_BLOCKS:
                 turn += count + 1
         if OWN_BLOCKS:
@@ -519,8 +484,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
-                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REG_COLS: gl.constexpr,
-                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, V_STAGES: gl.constexpr,
+                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
+                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
                       THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -535,27 +500,23 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [Q_SLOTS * NUM_CONSUMERS, BM, D], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_layout)
-    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, DV], v_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # pingpong: one turn barrier per consumer, round robin (FA4's scheduler barriers)
     TURNS: gl.constexpr = NUM_CONSUMERS if PINGPONG else 2
     turns = gl.allocate_shared_memory(gl.int64, [TURNS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=NUM_CONSUMERS)
-    gl.static_assert(V_STAGES >= STAGES, "V's ring at least as deep as K's")
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_free.index(i), count=NUM_CONSUMERS)
-        mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
-    for i in gl.static_range(STAGES, V_STAGES):
-        mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(TURNS):
         mbarrier.init(turns.index(i), count=1)
@@ -572,7 +533,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
@@ -581,7 +542,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
@@ -590,7 +551,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
@@ -608,7 +569,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
@@ -617,7 +578,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REG_COLS,
+                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
@@ -670,17 +631,10 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
-            q_reg_cols(cfg, d), cfg.own_blocks, rescale_early(cfg, params), cfg.v_stages or cfg.stages,
+            cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
             0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold), cfg.tree_max,
             cfg.sum_partial]
     return grid, args
-
-
-def q_reg_cols(cfg, d) -> int:
-    """``Q_REG_COLS``: how many of Q's leading head-dim columns the S wgmmas read from
-    registers (``q_regs``: all ``d``; ``q_reg_cols``: that many; else 0, Q from shared
-    memory)."""
-    return d if cfg.q_regs else cfg.q_reg_cols
 
 
 def rescale_early(cfg, params) -> bool:
