@@ -75,12 +75,6 @@ HOPPER_FWD_SPILL_BUDGET = {
     # more values live: 172 B measured dense (bf16 and fp16), 140 B in the KV-cache form,
     # against 8 / 32 B one at a time (its speed with window + softcap is not measured yet)
     ("window-softcap", 256): 192,
-    # at 256 under masks a row keeps its max until a block raises it by 8 (rescale_threshold,
-    # dispatched in session 24): the warpgroup's min of alpha before the branch that skips
-    # O's rescale keeps more live: causal 72 B dense (bf16 and fp16), 84 B in the KV-cache
-    # form (SASS: one spill store and load per key block in two of the four loops), and it
-    # ran 2.8% faster in interleaved rounds (configs.HopperFwdConfig.rescale_threshold)
-    ("causal", 256): 96,
     # head dim 128 holds Q in registers (``q_regs``, dispatched since session 15): the
     # persistent two-Q-slot walk of the plain tile keeps more addresses live next to it
     # (372 B measured, bf16 and fp16; causal and window + softcap 0 B), and ran as fast as
@@ -130,7 +124,9 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # 128 without pingpong turns (session 24, an option): the persistent plain tile spills 452 B
 # (372 B with them), two spill stores and loads per key block in two of its loops (one with);
-# with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B
+# with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B, with
+# rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
+# rescale; one spill store and load per key block in two of the four loops)
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
@@ -156,8 +152,7 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
     ("plain", 256): 192,
-    # 184 B with rescale_threshold (session 24; 128 B before)
-    ("causal", 256): 192,
+    ("causal", 256): 128,
     # 396 B measured with packed_cvt (session 13; 360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
@@ -315,7 +310,8 @@ def test_tile_variants_compile_for_sm90a():
         for d in (128, 256) for f in ("causal", "window-softcap")} | {
         (d, f, o) for d, o in ((64, "tree_max=True"), (128, "tree_max=True"), (256, "tree_max=True"),
                                (64, "pingpong=True"), (128, "pingpong=False"), (256, "pingpong=False"),
-                               (64, "sum_partial=True"), (128, "sum_partial=True"), (256, "sum_partial=True"))
+                               (64, "sum_partial=True"), (128, "sum_partial=True"), (256, "sum_partial=True"),
+                               (256, "rescale_threshold=8.0"))
         for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
@@ -329,7 +325,7 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if "pingpong" in r.get("option", "") or "sum_partial" in r.get("option", ""):
+            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
