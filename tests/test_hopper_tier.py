@@ -263,9 +263,10 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 # previous block's factor before P V is issued; dispatched at 64 / 128 since session 20, at
 # 256 without a mask since session 21: here at every tile and mask) and ``sum_partial``
 # (each row's running sum kept as per-thread partials, added across the quad once per tile),
-# and ``rescale_threshold`` at 192 / 256 (a row's stale max kept below a rise of 8).
+# and ``rescale_threshold`` at 192 / 256 off (dispatched at 8.0 since session 25: the exact
+# running max that every block rescales O by, as before).
 FWD_OPTIONS = [((o, True), d) for o in ("rescale_early", "sum_partial") for d in (64, 128, 192, 256)] + [
-    (("rescale_threshold", 8.0), d) for d in (192, 256)]  # (applies where O is rescaled late: under masks)
+    (("rescale_threshold", 0.0), d) for d in (192, 256)]  # (applies where O is rescaled late: under masks)
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
@@ -297,8 +298,8 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_fwd_rescale_threshold_rising_max(d, mask, sk, monkeypatch):
-    """``rescale_threshold`` (off; here at every tile, with O rescaled after P V, where the
-    threshold applies): scores whose row maxima rise by far
+    """``rescale_threshold`` (dispatched at 256 under masks; here at every tile, with O
+    rescaled after P V, where the threshold applies): scores whose row maxima rise by far
     more than the threshold from block to block (queries scaled up, every key's norm drawn
     between 0.05 and 4), so rows both keep a stale max and replace it, in blocks visited in
     every order; against the fp32 reference."""

@@ -116,10 +116,9 @@ class HopperFwdConfig:
     # Measured (session 24, five interleaved rounds beside cuDNN, probes/probe-rounds-
     # 6393090.json, TFLOPS off -> 8.0): seed causal (late rescale) 651.8 -> 670.1, every
     # round above; with the early rescale seed non-causal 679.8 -> 639.5, 128 640.0 -> 640.6
-    # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. To dispatch at 256 (under masks:
-    # without one 256 rescales early) once the whole GPU suite and a complete benchmark have
-    # run with it: dispatched at dea81e9, only the 192 / 256 Hopper-tier tests and half the
-    # benchmark ran there (benchmarks/NOTES.md dea81e9), so off again since.
+    # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. Dispatched at 256 since session
+    # 25 (under masks: without one 256 rescales early); first tried at dea81e9, where only the
+    # 192 / 256 Hopper-tier tests and half the benchmark ran (benchmarks/NOTES.md dea81e9).
     rescale_threshold: float = 0.0
     # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
@@ -387,7 +386,8 @@ SM90_HOPPER_FWD = {
                         rescale_early=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True, rescale_early_unmasked=True),
+    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True, rescale_early_unmasked=True,
+                         rescale_threshold=8.0),
 }
 
 # Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).
