@@ -79,11 +79,12 @@ HOPPER_FWD_SPILL_BUDGET = {
     # persistent two-Q-slot walk of the plain tile keeps more addresses live next to it
     # (372 B measured, bf16 and fp16; causal and window + softcap 0 B), and ran as fast as
     # Q from shared memory (configs.HopperFwdConfig.q_regs)
-    ("plain", 128): 384,
+    # (404 B with per-thread partial row sums, sum_partial, dispatched since session 25)
+    ("plain", 128): 448,
     # head dim 256 under a mask keeps a row's stale max (rescale_threshold, dispatched since
     # session 25): the warpgroup's min of alpha before the branch that skips O's rescale,
-    # 72 B dense, 84 B in the KV-cache form (bf16 and fp16; one spill store and load per key
-    # block in two of the four loops), and it ran 651.8 -> 670.1 TFLOPS on the seed's causal
+    # 72 B dense (88 B with sum_partial), 84 B in the KV-cache form (bf16 and fp16; one spill
+    # store and load per key block in two of the four loops), and it ran 651.8 -> 670.1 TFLOPS on the seed's causal
     # case (configs.HopperFwdConfig.rescale_threshold)
     ("causal", 256): 128,
 }
@@ -156,14 +157,16 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
     ("plain", 256): 192,
-    # 184 B with the stale max (rescale_threshold, session 25; 128 B before)
-    ("causal", 256): 192,
+    # 184 B with the stale max (rescale_threshold, session 25; 128 B before), 216 B with
+    # per-thread partial row sums on top (sum_partial)
+    ("causal", 256): 256,
     # 396 B measured with packed_cvt (session 13; 360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
-    # (bf16, session 12), against 128 B at 256
-    ("causal", 192): 192,
+    # (bf16, session 12), against 128 B at 256; 216 B, as 256, with the stale max and the
+    # per-thread partial row sums (session 25)
+    ("causal", 192): 256,
 }
 HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("window-softcap", 256): 64}
 
@@ -184,7 +187,9 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
 # (bf16); measured with those spills, +0.7% / +1.5% non-causal / causal in five interleaved
 # rounds (configs.HopperFwdConfig.rescale_early).
-HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32}
+# With the tree max, per-thread partial row sums and round-robin turns (session 25) plain and
+# causal spill nothing, window + softcap 52 B (bf16 and fp16).
+HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32, ("window-softcap", 64): 64}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
 
 
@@ -313,10 +318,8 @@ def test_tile_variants_compile_for_sm90a():
         (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")} | {
         (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
         for d in (128, 256) for f in ("causal", "window-softcap")} | {
-        (d, f, o) for d, o in ((64, "tree_max=True"), (128, "tree_max=True"), (256, "tree_max=True"),
-                               (64, "pingpong=True"), (128, "pingpong=False"), (256, "pingpong=False"),
-                               (64, "sum_partial=True"), (128, "sum_partial=True"), (256, "sum_partial=True"))
-        for f in ("plain", "causal")}
+        (d, f, f"{o}={not getattr(configs.SM90_HOPPER_FWD[d], o)}") for d in (64, 128, 256)
+        for o in ("tree_max", "pingpong", "sum_partial") for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):

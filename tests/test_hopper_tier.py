@@ -11,6 +11,7 @@ import torch
 
 import triflash
 from triflash import dispatch
+from triflash.kernels import configs as _configs
 from triflash.testing import assert_forward_matches, attention_ref, fa_tolerance, max_err
 
 from test_flash_attn import check_attention
@@ -202,11 +203,12 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 
 # Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
 # dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128 since
-# session 15, here off), ``tree_max`` (each row's max of S by a tree: max is exact, so the
-# same maxima) and ``pingpong`` flipped (the three consumers of 64 taking turns round robin;
-# 128 / 256 without turns).
-FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False)), (64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
-                 (64, dict(pingpong=True)), (128, dict(pingpong=False)), (256, dict(pingpong=False))]
+# session 15, here off), and flipped from the dispatched value: ``tree_max`` (each row's max
+# of S by a tree, dispatched at 64 since session 25: max is exact, so the same maxima) and
+# ``pingpong`` (64: the three consumers taking turns round robin, dispatched since session
+# 25; 128 / 256 with or without turns).
+FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
+    (d, {o: not getattr(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max", "pingpong") for d in (64, 128, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
@@ -262,10 +264,12 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 # Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
 # previous block's factor before P V is issued; dispatched at 64 / 128 since session 20, at
 # 256 without a mask since session 21: here at every tile and mask) and ``sum_partial``
-# (each row's running sum kept as per-thread partials, added across the quad once per tile),
-# and ``rescale_threshold`` at 192 / 256 off (dispatched at 8.0 since session 25: the exact
+# off (each row's running sum kept as per-thread partials, added across the quad once per
+# tile: dispatched at 64 / 128 / 256 since session 25; here the quad's sum every block), and
+# ``rescale_threshold`` at 192 / 256 off (dispatched at 8.0 since session 25: the exact
 # running max that every block rescales O by, as before).
-FWD_OPTIONS = [((o, True), d) for o in ("rescale_early", "sum_partial") for d in (64, 128, 192, 256)] + [
+FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
+    (("sum_partial", False), d) for d in (64, 128, 192, 256)] + [
     (("rescale_threshold", 0.0), d) for d in (192, 256)]  # (applies where O is rescaled late: under masks)
 
 

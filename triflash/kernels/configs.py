@@ -45,7 +45,10 @@ class HopperFwdConfig:
     stages: int
     num_consumers: int = 2
     # consumers take turns issuing wgmmas (FA3's scheduler barrier; three consumers in a round
-    # robin, as FA4's head-dim-64 forward)
+    # robin, as FA4's head-dim-64 forward: dispatched at 64 since session 25 with tree_max
+    # and sum_partial, the three together 510.6 -> 525.5 / 484.7 -> 493.0 TFLOPS on
+    # 2x8192x32x64 in five interleaved rounds, probes/probe-rounds-95960bf.json, where the
+    # same kernel measured twice gave 510.6 and 519.3 / 484.7 and 491.9)
     pingpong: bool = False
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
     # wgmma; the same values). On since session 13: in interleaved rounds on the H200
@@ -124,11 +127,16 @@ class HopperFwdConfig:
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
     # one FMNMX chain through all of the thread's 32 (128 keys) or 16 columns of the row,
     # whose latency sits between S's wait and the first exponential (FA4 keeps 4 chains).
-    # The same maxima, bit for bit.
+    # The same maxima, bit for bit. Alone (session 25, probes/probe-rounds-95960bf.json):
+    # 64 510.6 -> 513.1 / 484.7 -> 492.0, 128 642.7 -> 638.6 / 602.5 -> 612.2, seed 694.0 ->
+    # 692.1 / 667.7 -> 665.7; dispatched at 64 (with sum_partial and round-robin turns).
     tree_max: bool = False
     # Each row's running sum l kept as per-thread partial sums over the thread's own columns
     # (a tree, no shuffles) and added across the quad once per tile, not every block (FA4's
     # Hopper softmax): two shuffles and two adds fewer per row and block, other rounding.
+    # Measured (session 25, five interleaved rounds, probes/probe-rounds-95960bf.json,
+    # TFLOPS off -> on): seed 694.0 -> 693.6 / 667.7 -> 675.4, 128 642.7 -> 648.6 / 602.5 ->
+    # 611.1, 64 510.6 -> 520.2 / 484.7 -> 475.7. Dispatched at 64 / 128 / 256 since.
     sum_partial: bool = False
     # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
     # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
@@ -383,11 +391,11 @@ SM90_BWD = {
 SM90_HOPPER_FWD = {
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True),
+                        rescale_early=True, pingpong=True, tree_max=True, sum_partial=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
+                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True, sum_partial=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True, rescale_early_unmasked=True,
-                         rescale_threshold=8.0),
+                         rescale_threshold=8.0, sum_partial=True),
 }
 
 # Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).

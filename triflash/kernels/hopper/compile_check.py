@@ -14,6 +14,7 @@ Gluon has no interpreter: run this in a process without TRITON_INTERPRET
     python -m triflash.kernels.hopper.compile_check [--json]
 """
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -301,13 +302,12 @@ def all_variants():
         rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
                                     v_stages=1),
                          packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
-    # the forward with each row's max of S by a tree (tree_max),
-    # with pingpong flipped (64: the three consumers' turns round robin), with per-thread
-    # partial row sums (sum_partial)
-    for d, option in ((64, dict(tree_max=True)), (128, dict(tree_max=True)), (256, dict(tree_max=True)),
-                      (64, dict(pingpong=True)), (128, dict(pingpong=False)), (256, dict(pingpong=False)),
-                      (64, dict(sum_partial=True)), (128, dict(sum_partial=True)), (256, dict(sum_partial=True))):
+    # the forward with each of these flipped from its dispatched value: each row's max of S
+    # by a tree (tree_max), the consumers' turns (pingpong; 64: round robin over three), and
+    # per-thread partial row sums (sum_partial)
+    for d, name in itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial")):
         c = configs.SM90_HOPPER_FWD[d]
+        option = {name: not getattr(c, name)}
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),
                              packed_cvt=c.packed_cvt, option=",".join(f"{k}={v}" for k, v in option.items())))
