@@ -32,9 +32,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS="${PARTS:-tests bench}"
 # 1. GPU tests: the same files as CI, sizes scaled up when CUDA is present (-v: each test's
 #    worker and outcome, so a CUDA fault that poisons a worker can be traced to its test).
+#    TEST_MARK: the pytest -m expression (default: the dispatched kernels, not the tests of
+#    options: TEST_MARK="option and not sm90" runs those, tests/conftest.py); TEST_IDS=path:
+#    only the node ids listed in the file (a stopped call's remainder).
 [[ -n "${SHARD:-}" ]] && export TRIFLASH_TEST_SHARD="$SHARD"
+[[ -n "${TEST_IDS:-}" ]] && export TRIFLASH_TEST_IDS="$(realpath "$TEST_IDS")"
 [[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-560}" python3 -m pytest tests -n "${TEST_WORKERS:-12}" -p no:cacheprovider \
-  -m "not sm90" -p no:logging --tb=short -v --ignore=tests/test_bench_cpu.py > "$OUT_DIR/gpu-tests.txt" 2>&1
+  -m "${TEST_MARK:-not sm90 and not option}" -p no:logging --tb=short -v --ignore=tests/test_bench_cpu.py > "$OUT_DIR/gpu-tests.txt" 2>&1
 [[ " $PARTS " == *" tests "* ]] && tail -n 30 "$OUT_DIR/gpu-tests.txt"
 
 # 2. The benchmark: every installed peer, same run, correctness checked.

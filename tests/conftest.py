@@ -20,12 +20,26 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def pytest_configure(config):
     config.addinivalue_line("markers", "sm90: compiles kernels for sm_90a (CPU-only, no GPU needed)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    config.addinivalue_line("markers", "option: a kernel configuration other than the dispatched one (a "
+                            "tile option flipped or forced, a probe): run where options are measured "
+                            "(scripts/variants_run.sh) and in the GPU command's options part "
+                            "(scripts/gpu_run.sh TEST_MARK=option), not in its default suite")
 
 
 def pytest_collection_modifyitems(config, items):
     """``TRIFLASH_TEST_SHARD=i/n`` (1 <= i <= n): keep the i-th of n shards, each test's shard
     fixed by a hash of its id, so that n calls (a device call's time limit) run the suite
-    once between them (scripts/gpu_run.sh SHARD=i/n)."""
+    once between them (scripts/gpu_run.sh SHARD=i/n). ``TRIFLASH_TEST_IDS=path``: keep only
+    the tests whose node ids the file lists, one per line (e.g. those a stopped call did not
+    reach; scripts/gpu_run.sh TEST_IDS=path)."""
+    ids_path = os.environ.get("TRIFLASH_TEST_IDS", "")
+    if ids_path:
+        with open(ids_path) as f:
+            wanted = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+        drop = [item for item in items if item.nodeid not in wanted]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item.nodeid in wanted]
     spec = os.environ.get("TRIFLASH_TEST_SHARD", "")
     if not spec:
         return

@@ -142,6 +142,7 @@ def test_hopper_bwd_padded_head_dims_strided(d):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
+@pytest.mark.option
 def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
     """The dispatched tiles' ``packed_cvt`` (``hopper.common.to_16bit``: 16-bit P / dS two at
     a time, on since session 13) gives the bits of LLVM's one-at-a-time conversions: they
@@ -215,6 +216,7 @@ FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d,option", FWD_SAME_BITS, ids=lambda x: str(x))
+@pytest.mark.option
 def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatch):
     """Where Q is read from (registers or shared memory), in which order a row's max is taken
     and in which order the consumers issue their wgmmas change neither the products nor the
@@ -235,6 +237,7 @@ def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatc
 @pytest.mark.parametrize("shape", [(777, 2048, 8, 4), (2048, 1537, 4, 4), (1000, 1000, 16, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.option
 def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
     """``own_blocks`` (each consumer warpgroup computes only the key blocks its own 64 rows
     see, masked only where they need it; dispatched at head dim 64 since session 18) leaves
@@ -277,6 +280,7 @@ FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("option,d", FWD_OPTIONS, ids=lambda x: str(x))
+@pytest.mark.option
 def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
     """A forward option (``FWD_OPTIONS``) on, against the fp32 reference: dense (one CTA per
     tile and persistent walks, the 64 tile's skipped blocks) and varlen."""
@@ -301,6 +305,7 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("sk", [1000, 4096])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
 @pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.option
 def test_hopper_fwd_rescale_threshold_rising_max(d, mask, sk, monkeypatch):
     """``rescale_threshold`` (dispatched at 256 under masks; here at every tile, with O
     rescaled after P V, where the threshold applies): scores whose row maxima rise by far
@@ -336,6 +341,7 @@ BWD_DQ_OPTIONS = ("dq_lag", "dq_early")
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("option,d", [(o, d) for o in BWD_DQ_OPTIONS for d in (64, 128)])
+@pytest.mark.option
 def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
     """A backward option (``BWD_DQ_OPTIONS``) flipped from its dispatched value, against the fp32
     reference (the dispatched tiles are tested everywhere else): GQA / MQA groups (the
@@ -356,6 +362,7 @@ def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d", [256, 192])
+@pytest.mark.option
 def test_hopper_bwd_dq_split_v(d, mask, shape, monkeypatch):
     """``dq_split_v`` flipped from its dispatched value (the dQ kernel of a dense batch with
     64-key K / V tiles, V in one slot of its own freed before K's, or 32-key tiles sharing
@@ -376,6 +383,7 @@ def test_hopper_bwd_dq_split_v(d, mask, shape, monkeypatch):
                                    (1, 1, 4, 4)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", ["causal", "window", "causal-window-softcap"])
 @pytest.mark.parametrize("d", [256, 192, 128])
+@pytest.mark.option
 def test_hopper_bwd_dq_own_blocks(d, mask, shape, monkeypatch):
     """``dq_own_blocks`` flipped from its dispatched value (each dQ consumer warpgroup computes
     only the key blocks its own 64 rows see, waiting for and releasing the others' slots),
@@ -401,6 +409,7 @@ def test_hopper_bwd_dq_own_blocks(d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("seqused", [False, True])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d", [256, 192])
+@pytest.mark.option
 def test_hopper_bwd_dq_split_v_varlen(d, mask, seqused, monkeypatch):
     """``dq_split_v_varlen`` flipped from its dispatched value (a varlen batch's dQ kernel
     with the dense batch's 64-key tiles, or 32-key ones), on test_hopper_varlen's batch:
@@ -423,6 +432,7 @@ def test_hopper_bwd_dq_split_v_varlen(d, mask, seqused, monkeypatch):
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d,deterministic", [(256, False), (192, False), (128, True), (64, True)])
+@pytest.mark.option
 def test_hopper_bwd_dq_stream_same_bits(d, deterministic, mask, shape, monkeypatch):
     """``dq_stream`` flipped from its dispatched value (the separate dQ kernel on a side stream
     beside the dK/dV kernel, or after it on the caller's stream) changes when the dQ kernel
@@ -461,6 +471,7 @@ def test_hopper_bwd_dq_stream_same_bits(d, deterministic, mask, shape, monkeypat
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d,reg_a", [(64, 1), (64, 2), (192, 1), (256, 1)])  # (256 with 2 spills: measured, dropped)
+@pytest.mark.option
 def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
     """The dK/dV kernels' ``reg_a`` (K / V tiles as the S^T / dP^T wgmmas' A operand from
     registers instead of shared memory; dispatched at 256 with 1, at 64 with 2) changes
@@ -495,6 +506,7 @@ def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("d,pieces", [(64, 2), (96, 3), (128, 3), (128, 4)])
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
+@pytest.mark.option
 def test_hopper_bwd_tail_split(d, pieces, softcap, shape, monkeypatch):
     """``tail_split`` forced: every key tile of the dK/dV kernel runs as ``pieces`` CTAs over
     parts of its query blocks (fewer blocks than pieces leave pieces empty: 1 x 1), each
@@ -530,6 +542,7 @@ def test_hopper_bwd_tail_split_auto(d):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.option
 def test_hopper_bwd256_timeline_probe(causal, monkeypatch):
     """The head-dim-256 dK/dV kernel's ``timeline`` probe (scripts/bwd_timeline.py) stamps
     every CTA once, in order (entry <= K / V landed <= first block <= last block <= stores
@@ -569,6 +582,7 @@ def test_hopper_bwd256_timeline_probe(causal, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.option
 def test_hopper_bwd_step_timeline_probe(d, causal, monkeypatch):
     """The 64 / 128 dK/dV kernel's per-step ``timeline`` probe (scripts/bwd_timeline.py --steps)
     stamps each warpgroup's first query-block steps at all eight points in order, one step

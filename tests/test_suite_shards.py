@@ -33,3 +33,19 @@ def test_shards_partition_the_suite():
 def test_bad_shard_is_refused(bad):
     rc, _, out = _collect(bad)
     assert rc != 0 and "TRIFLASH_TEST_SHARD" in out
+
+
+def test_test_ids_file_keeps_only_its_tests(tmp_path):
+    """TRIFLASH_TEST_IDS=path keeps exactly the node ids the file lists (comments skipped)."""
+    rc, every, out = _collect("")
+    assert rc == 0 and len(every) > 10, out
+    chosen = sorted(every)[:3]
+    ids = tmp_path / "ids.txt"
+    ids.write_text("# a stopped call's remainder\n" + "\n".join(chosen) + "\ntests/test_validation.py::not_a_test\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRIFLASH_TEST_SHARD"}
+    env["TRIFLASH_TEST_IDS"] = str(ids)
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "tests/test_validation.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert {line for line in p.stdout.splitlines() if "::" in line} == set(chosen)
