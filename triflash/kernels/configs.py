@@ -364,7 +364,8 @@ SM90_BWD = {
 #     128: 128 x 2 595/551 > 64 x 3-4 544/502; 256: 64 x 2 681/631 > 32 x 4 509/492
 #     (64 x 3 does not fit in shared memory).
 #   schedules (hopper-fwd-schedules-*.json, 8k tokens): pingpong helps at 128 (616/569 vs
-#     601/563) and 256 causal (657 vs 650), not at 64; the persistent loop (one Q slot) did
+#     601/563) and 256 causal (657 vs 650), not at 64 (two consumers then; three in a round
+#     robin since session 25, HopperFwdConfig.pingpong); the persistent loop (one Q slot) did
 #     not pay at 8k and was erratic at 1k.
 #   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
 #     probes/hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
