@@ -79,14 +79,7 @@ HOPPER_FWD_SPILL_BUDGET = {
     # persistent two-Q-slot walk of the plain tile keeps more addresses live next to it
     # (372 B measured, bf16 and fp16; causal and window + softcap 0 B), and ran as fast as
     # Q from shared memory (configs.HopperFwdConfig.q_regs)
-    # (404 B with per-thread partial row sums, sum_partial, dispatched since session 25)
-    ("plain", 128): 448,
-    # head dim 256 under a mask keeps a row's stale max (rescale_threshold, dispatched since
-    # session 25): the warpgroup's min of alpha before the branch that skips O's rescale,
-    # 72 B dense (88 B with sum_partial), 84 B in the KV-cache form (bf16 and fp16; one spill
-    # store and load per key block in two of the four loops), and it ran 651.8 -> 670.1 TFLOPS on the seed's causal
-    # case (configs.HopperFwdConfig.rescale_threshold)
-    ("causal", 256): 128,
+    ("plain", 128): 384,
 }
 
 # (feature, head dim) -> spill bytes allowed in the backward's dK/dV kernel, with the reason.
@@ -131,8 +124,16 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # 128 without pingpong turns (session 24, an option): the persistent plain tile spills 452 B
 # (372 B with them), two spill stores and loads per key block in two of its loops (one with);
-# with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B
+# with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B, with
+# rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
+# rescale; one spill store and load per key block in two of the four loops)
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96}
+# Session 25's tiles (configs.SM90_HOPPER_FWD_SESSION25; dispatched at 025f171, off on main),
+# measured there (bf16 and fp16): 64 plain / causal nothing, window + softcap 52 B (three
+# consumers); 128 plain 404 B; 256 causal 88 B dense, 84 B in the KV-cache form, 216 B varlen
+# (192 likewise), window + softcap 144 B. To dispatch them: ("causal", 256): 128 in
+# HOPPER_FWD_SPILL_BUDGET, ("plain", 128): 448, ("causal", 256) and ("causal", 192): 256 in
+# HOPPER_FWD_VARLEN_SPILL_BUDGET, ("window-softcap", 64): 64 in HOPPER_FWD_3WG_SPILL_BUDGET.
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -157,16 +158,13 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
     ("plain", 256): 192,
-    # 184 B with the stale max (rescale_threshold, session 25; 128 B before), 216 B with
-    # per-thread partial row sums on top (sum_partial)
-    ("causal", 256): 256,
+    ("causal", 256): 128,
     # 396 B measured with packed_cvt (session 13; 360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
-    # (bf16, session 12), against 128 B at 256; 216 B, as 256, with the stale max and the
-    # per-thread partial row sums (session 25)
-    ("causal", 192): 256,
+    # (bf16, session 12), against 128 B at 256
+    ("causal", 192): 192,
 }
 HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("window-softcap", 256): 64}
 
@@ -187,9 +185,7 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
 # (bf16); measured with those spills, +0.7% / +1.5% non-causal / causal in five interleaved
 # rounds (configs.HopperFwdConfig.rescale_early).
-# With the tree max, per-thread partial row sums and round-robin turns (session 25) plain and
-# causal spill nothing, window + softcap 52 B (bf16 and fp16).
-HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32, ("window-softcap", 64): 64}
+HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
 
 
@@ -303,9 +299,11 @@ def test_tile_variants_compile_for_sm90a():
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
     forward with each row's max of S by a tree
     (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin) and with
-    per-thread partial row sums (``sum_partial``)."""
+    per-thread partial row sums (``sum_partial``), and at 256 the stale running max
+    (``rescale_threshold``): each flipped from its dispatched value (``configs.flipped``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
+    from triflash.kernels.hopper import compile_check
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     assert {(r["kernel"], r["feature"]) for r in rows if r.get("timeline")} == {
         (k, f) for k in ("hopper_bwd256", "hopper_bwd") for f in ("plain", "causal")}
@@ -318,8 +316,8 @@ def test_tile_variants_compile_for_sm90a():
         (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")} | {
         (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
         for d in (128, 256) for f in ("causal", "window-softcap")} | {
-        (d, f, f"{o}={not getattr(configs.SM90_HOPPER_FWD[d], o)}") for d in (64, 128, 256)
-        for o in ("tree_max", "pingpong", "sum_partial") for f in ("plain", "causal")}
+        (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
+        for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
@@ -332,7 +330,7 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if r.get("option", "").startswith(("pingpong", "sum_partial")):
+            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET

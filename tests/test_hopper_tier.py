@@ -205,11 +205,10 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 # Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
 # dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128 since
 # session 15, here off), and flipped from the dispatched value: ``tree_max`` (each row's max
-# of S by a tree, dispatched at 64 since session 25: max is exact, so the same maxima) and
-# ``pingpong`` (64: the three consumers taking turns round robin, dispatched since session
-# 25; 128 / 256 with or without turns).
+# of S by a tree: max is exact, so the same maxima) and ``pingpong`` (64: the three
+# consumers taking turns round robin; 128 / 256 with or without turns).
 FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
-    (d, {o: not getattr(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max", "pingpong") for d in (64, 128, 256)]
+    (d, {o: _configs.flipped(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max", "pingpong") for d in (64, 128, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
@@ -266,14 +265,14 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 
 # Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
 # previous block's factor before P V is issued; dispatched at 64 / 128 since session 20, at
-# 256 without a mask since session 21: here at every tile and mask) and ``sum_partial``
-# off (each row's running sum kept as per-thread partials, added across the quad once per
-# tile: dispatched at 64 / 128 / 256 since session 25; here the quad's sum every block), and
-# ``rescale_threshold`` at 192 / 256 off (dispatched at 8.0 since session 25: the exact
-# running max that every block rescales O by, as before).
+# 256 without a mask since session 21: here at every tile and mask), and flipped from the
+# dispatched value (configs.flipped): ``sum_partial`` (each row's running sum kept as
+# per-thread partials, added across the quad once per tile) and ``rescale_threshold`` at
+# 192 / 256 (a row's stale max kept below a rise of 8).
 FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
-    (("sum_partial", False), d) for d in (64, 128, 192, 256)] + [
-    (("rescale_threshold", 0.0), d) for d in (192, 256)]  # (applies where O is rescaled late: under masks)
+    ((o, _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], o)), d)
+    for o, dims in (("sum_partial", (64, 128, 192, 256)), ("rescale_threshold", (192, 256))) for d in dims]
+# (rescale_threshold applies where O is rescaled late: under masks)
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
@@ -307,8 +306,8 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.option
 def test_hopper_fwd_rescale_threshold_rising_max(d, mask, sk, monkeypatch):
-    """``rescale_threshold`` (dispatched at 256 under masks; here at every tile, with O
-    rescaled after P V, where the threshold applies): scores whose row maxima rise by far
+    """``rescale_threshold`` (off on main; here at every tile, with O rescaled after P V,
+    where the threshold applies): scores whose row maxima rise by far
     more than the threshold from block to block (queries scaled up, every key's norm drawn
     between 0.05 and 4), so rows both keep a stale max and replace it, in blocks visited in
     every order; against the fp32 reference."""

@@ -302,12 +302,13 @@ def all_variants():
         rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
                                     v_stages=1),
                          packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
-    # the forward with each of these flipped from its dispatched value: each row's max of S
-    # by a tree (tree_max), the consumers' turns (pingpong; 64: round robin over three), and
-    # per-thread partial row sums (sum_partial)
-    for d, name in itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial")):
+    # the forward with each of these flipped from its dispatched value (configs.flipped):
+    # each row's max of S by a tree (tree_max), the consumers' turns (pingpong; 64: round
+    # robin over three), per-thread partial row sums (sum_partial), and at 256 the stale
+    # running max (rescale_threshold)
+    for d, name in FWD_FLIPPED:
         c = configs.SM90_HOPPER_FWD[d]
-        option = {name: not getattr(c, name)}
+        option = {name: configs.flipped(c, name)}
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),
                              packed_cvt=c.packed_cvt, option=",".join(f"{k}={v}" for k, v in option.items())))
@@ -332,6 +333,9 @@ def code_of(ptx: str) -> str:
 
 
 PARTS = ("fwd", "bwd", "dq", "variants")
+# (head dim, forward option) compiled flipped from its dispatched value in the variants part
+FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial"))) + (
+    (256, "rescale_threshold"),)
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:
