@@ -78,8 +78,13 @@ HOPPER_FWD_SPILL_BUDGET = {
     # head dim 128 holds Q in registers (``q_regs``, dispatched since session 15): the
     # persistent two-Q-slot walk of the plain tile keeps more addresses live next to it
     # (372 B measured, bf16 and fp16; causal and window + softcap 0 B), and ran as fast as
-    # Q from shared memory (configs.HopperFwdConfig.q_regs)
-    ("plain", 128): 384,
+    # Q from shared memory (configs.HopperFwdConfig.q_regs); with per-thread partial row sums
+    # (sum_partial, dispatched in session 26) 404 B
+    ("plain", 128): 448,
+    # session 26's 256 tile (sum_partial and rescale_threshold: the warpgroup's min of alpha
+    # before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
+    # the KV-cache form (bf16 and fp16); window + softcap 144 B (budget above)
+    ("causal", 256): 128,
 }
 
 # (feature, head dim) -> spill bytes allowed in the backward's dK/dV kernel, with the reason.
@@ -128,12 +133,6 @@ HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
 # rescale; one spill store and load per key block in two of the four loops)
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96}
-# Session 25's tiles (configs.SM90_HOPPER_FWD_SESSION25; dispatched at 025f171, off on main),
-# measured there (bf16 and fp16): 64 plain / causal nothing, window + softcap 52 B (three
-# consumers); 128 plain 404 B; 256 causal 88 B dense, 84 B in the KV-cache form, 216 B varlen
-# (192 likewise), window + softcap 144 B. To dispatch them: ("causal", 256): 128 in
-# HOPPER_FWD_SPILL_BUDGET, ("plain", 128): 448, ("causal", 256) and ("causal", 192): 256 in
-# HOPPER_FWD_VARLEN_SPILL_BUDGET, ("window-softcap", 64): 64 in HOPPER_FWD_3WG_SPILL_BUDGET.
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -158,13 +157,14 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
     ("plain", 256): 192,
-    ("causal", 256): 128,
     # 396 B measured with packed_cvt (session 13; 360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
-    # (bf16, session 12), against 128 B at 256
-    ("causal", 192): 192,
+    # (bf16, session 12), against 128 B at 256; with session 26's 256 tile (sum_partial,
+    # rescale_threshold) under the causal mask 216 B at 256 and at 192
+    ("causal", 256): 256,
+    ("causal", 192): 256,
 }
 HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("window-softcap", 256): 64}
 
@@ -185,7 +185,9 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
 # (bf16); measured with those spills, +0.7% / +1.5% non-causal / causal in five interleaved
 # rounds (configs.HopperFwdConfig.rescale_early).
-HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32}
+# With tree_max, sum_partial and the round robin of turns (dispatched in session 26): plain
+# and causal nothing, window + softcap 52 B.
+HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32, ("window-softcap", 64): 64}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
 
 

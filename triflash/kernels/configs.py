@@ -45,7 +45,7 @@ class HopperFwdConfig:
     stages: int
     num_consumers: int = 2
     # consumers take turns issuing wgmmas (FA3's scheduler barrier; three consumers in a round
-    # robin, as FA4's head-dim-64 forward: at 64 in SM90_HOPPER_FWD_SESSION25 with tree_max
+    # robin, as FA4's head-dim-64 forward: at 64 in SM90_HOPPER_FWD (session 25) with tree_max
     # and sum_partial, the three together 510.6 -> 525.5 / 484.7 -> 493.0 TFLOPS on
     # 2x8192x32x64 in five interleaved rounds, probes/probe-rounds-95960bf.json, where the
     # same kernel measured twice gave 510.6 and 519.3 / 484.7 and 491.9)
@@ -119,9 +119,8 @@ class HopperFwdConfig:
     # Measured (session 24, five interleaved rounds beside cuDNN, probes/probe-rounds-
     # 6393090.json, TFLOPS off -> 8.0): seed causal (late rescale) 651.8 -> 670.1, every
     # round above; with the early rescale seed non-causal 679.8 -> 639.5, 128 640.0 -> 640.6
-    # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. Dispatched at dea81e9 and at
-    # 025f171 (SM90_HOPPER_FWD_SESSION25), neither time with the whole GPU suite and a
-    # complete benchmark run on it (benchmarks/NOTES.md dea81e9, 025f171): off on main.
+    # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. Dispatched at 256 (session 26;
+    # tried at dea81e9 and 025f171 before, benchmarks/NOTES.md).
     rescale_threshold: float = 0.0
     # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
@@ -129,7 +128,7 @@ class HopperFwdConfig:
     # whose latency sits between S's wait and the first exponential (FA4 keeps 4 chains).
     # The same maxima, bit for bit. Alone (session 25, probes/probe-rounds-95960bf.json):
     # 64 510.6 -> 513.1 / 484.7 -> 492.0, 128 642.7 -> 638.6 / 602.5 -> 612.2, seed 694.0 ->
-    # 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD_SESSION25 (with sum_partial and the
+    # 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD (with sum_partial and the
     # round-robin turns).
     tree_max: bool = False
     # Each row's running sum l kept as per-thread partial sums over the thread's own columns
@@ -137,7 +136,7 @@ class HopperFwdConfig:
     # Hopper softmax): two shuffles and two adds fewer per row and block, other rounding.
     # Measured (session 25, five interleaved rounds, probes/probe-rounds-95960bf.json,
     # TFLOPS off -> on): seed 694.0 -> 693.6 / 667.7 -> 675.4, 128 642.7 -> 648.6 / 602.5 ->
-    # 611.1, 64 510.6 -> 520.2 / 484.7 -> 475.7. At 64 / 128 / 256 in SM90_HOPPER_FWD_SESSION25.
+    # 611.1, 64 510.6 -> 520.2 / 484.7 -> 475.7. Dispatched at 64 / 128 / 256 (session 26).
     sum_partial: bool = False
     # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
     # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
@@ -366,7 +365,7 @@ SM90_BWD = {
 #     (64 x 3 does not fit in shared memory).
 #   schedules (hopper-fwd-schedules-*.json, 8k tokens): pingpong helps at 128 (616/569 vs
 #     601/563) and 256 causal (657 vs 650), not at 64 (two consumers then; three in a round
-#     robin: SM90_HOPPER_FWD_SESSION25); the persistent loop (one Q slot) did
+#     robin: dispatched in session 26); the persistent loop (one Q slot) did
 #     not pay at 8k and was erratic at 1k.
 #   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
 #     probes/hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
@@ -391,21 +390,17 @@ SM90_BWD = {
 #     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
+    # session 25 (dispatched at 025f171 and again at the next session's start): tree_max,
+    # sum_partial and the round robin of turns at 64, sum_partial at 128, sum_partial and
+    # rescale_threshold at 256 (probes/probe-rounds-95960bf.json; benchmarks/NOTES.md)
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True),
+                        rescale_early=True, pingpong=True, tree_max=True, sum_partial=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True, rescale_early_unmasked=True),
-}
-# Session 25's forward, measured (five interleaved rounds, probes/probe-rounds-95960bf.json),
-# dispatched at 025f171 (1177 GPU tests passed, 193 not reached; a partial benchmark:
-# benchmarks/NOTES.md 025f171), off on main until the whole suite and a complete run with
-# FA4 have run on it: to dispatch, replace SM90_HOPPER_FWD's entries by these.
-SM90_HOPPER_FWD_SESSION25 = {
-    64: dataclasses.replace(SM90_HOPPER_FWD[64], pingpong=True, tree_max=True, sum_partial=True),
-    128: dataclasses.replace(SM90_HOPPER_FWD[128], sum_partial=True),
-    256: dataclasses.replace(SM90_HOPPER_FWD[256], rescale_threshold=8.0, sum_partial=True),
+                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
+                         sum_partial=True),
+    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True,
+                         rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True),
 }
 
 def flipped(cfg, name):
