@@ -48,8 +48,8 @@ CANDIDATES = {
         B(64, 128, 8, 4, 64, 128, 4, 3, False),
     ],
 }
-# Measured (TFLOPS full / causal): round 1, benchmarks/results/sweep-h200-4cf91bc.json, and
-# round 2, sweep-h200-25aaea1.json (configs.py has the choices).
+# Measured (TFLOPS full / causal): round 1, benchmarks/results/sweep-h200-4cf91bc.json.gz, and
+# round 2, sweep-h200-25aaea1.json.gz (configs.py has the choices).
 
 
 def _inputs(d, causal):

@@ -328,14 +328,14 @@ INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 # (``python -m triflash.kernels.sm90_report``), then timed by scripts/sweep.py on the H200
 # (bf16, seqlen 8192 at 16k tokens; the seed case 1x8192x36 at head dim 256; every backward
 # with the separate dQ kernel, as dispatched). TFLOPS full / causal, best first:
-# benchmarks/results/sweep-h200-25aaea1.json (scale folded into exp2, this forward):
+# benchmarks/results/sweep-h200-25aaea1.json.gz (scale folded into exp2, this forward):
 #   fwd  64: 128x128 w4 s3 407/352;  fwd 128: 128x128 w8 s3 477/459 > 128x64 368/389
 #   fwd 256: 128x64 w8 s2 509/436 > 128x32 s3 430/416 (FlashAttention-4's conditional
 #            rescale measured slower at every head dim: 468/409 at 256, 334/264 at 64)
 #   bwd 256 (split dK/dV 32x128 + dQ 128x32): dK/dV s3 + dQ s3 317/288 > s3 + s2 291/270 >
 #            s2 + s2 250/243 > 16x128 s4 256/224
 #   bwd 128 (dK/dV 64x128 + dQ 128x64): s3 + s3 365/335 > s2 + s3 354/334 > s2 + s2 332/307
-# sweep-h200-4cf91bc.json (round 1, the same kernels before the exp2 fold):
+# sweep-h200-4cf91bc.json.gz (round 1, the same kernels before the exp2 fold):
 #   bwd  64 (dK/dV 64x128 s3): dQ 64x128 w4 s3 315/294 ~ 128x64 w4 314/291 > 128x64 w8 287/270
 #   bwd 128: dK/dV 128x128 127/69 and 64x64 w4 242/210 (far behind); dQ 64x128 257/249
 #   bwd 256: dK/dV 64x128 and fwd 64x128 do not fit in shared memory

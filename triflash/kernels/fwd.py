@@ -74,7 +74,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                 m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             # (Rescaling only when a row's max grew by more than 2^8, FlashAttention-4's
             # conditional rescale, measured slower here at every head dim: the branch breaks
-            # Triton's software pipeline; benchmarks/results/sweep-h200-25aaea1.json.)
+            # Triton's software pipeline; benchmarks/results/sweep-h200-25aaea1.json.gz.)
             alpha = tl.exp2(m_i - m_new)
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
