@@ -8,9 +8,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _env(**set_vars):
+    """This process's environment without the suite's own selection (a run under SHARD= or
+    TEST_IDS=, scripts/gpu_run.sh, must not narrow what the subprocess collects), plus
+    ``set_vars``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRIFLASH_TEST_SHARD", "TRIFLASH_TEST_IDS")}
+    env.update(set_vars)
+    return env
+
+
 def _collect(shard):
-    env = dict(os.environ, TRIFLASH_TEST_SHARD=shard) if shard else {
-        k: v for k, v in os.environ.items() if k != "TRIFLASH_TEST_SHARD"}
+    env = _env(TRIFLASH_TEST_SHARD=shard) if shard else _env()
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                         "tests/test_validation.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
@@ -42,8 +50,7 @@ def test_test_ids_file_keeps_only_its_tests(tmp_path):
     chosen = sorted(every)[:3]
     ids = tmp_path / "ids.txt"
     ids.write_text("# a stopped call's remainder\n" + "\n".join(chosen) + "\ntests/test_validation.py::not_a_test\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRIFLASH_TEST_SHARD"}
-    env["TRIFLASH_TEST_IDS"] = str(ids)
+    env = _env(TRIFLASH_TEST_IDS=str(ids))
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                         "tests/test_validation.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
