@@ -302,7 +302,8 @@ def test_tile_variants_compile_for_sm90a():
     forward with each row's max of S by a tree
     (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin) and with
     per-thread partial row sums (``sum_partial``), and at 256 the stale running max
-    (``rescale_threshold``): each flipped from its dispatched value (``configs.flipped``)."""
+    (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
+    one Q slot): each flipped from its dispatched value (``configs.flipped``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     from triflash.kernels.hopper import compile_check

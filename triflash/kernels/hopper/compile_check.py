@@ -305,7 +305,8 @@ def all_variants():
     # the forward with each of these flipped from its dispatched value (configs.flipped):
     # each row's max of S by a tree (tree_max), the consumers' turns (pingpong; 64: round
     # robin over three), per-thread partial row sums (sum_partial), and at 256 the stale
-    # running max (rescale_threshold)
+    # running max (rescale_threshold) and the persistent walk of unmasked tiles with one Q
+    # slot (persistent_unmasked)
     for d, name in FWD_FLIPPED:
         c = configs.SM90_HOPPER_FWD[d]
         option = {name: configs.flipped(c, name)}
@@ -335,7 +336,7 @@ def code_of(ptx: str) -> str:
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
 FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial"))) + (
-    (256, "rescale_threshold"),)
+    (256, "rescale_threshold"), (256, "persistent_unmasked"))
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:
