@@ -309,8 +309,8 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.option
 def test_hopper_fwd_rescale_threshold_rising_max(d, mask, sk, monkeypatch):
-    """``rescale_threshold`` (off on main; here at every tile, with O rescaled after P V,
-    where the threshold applies): scores whose row maxima rise by far
+    """``rescale_threshold`` (dispatched at 256, where O is rescaled after P V: under masks;
+    here at every tile, with O rescaled after P V): scores whose row maxima rise by far
     more than the threshold from block to block (queries scaled up, every key's norm drawn
     between 0.05 and 4), so rows both keep a stale max and replace it, in blocks visited in
     every order; against the fp32 reference."""

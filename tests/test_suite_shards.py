@@ -8,17 +8,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _env(**set_vars):
-    """This process's environment without the suite's own selection (a run under SHARD= or
-    TEST_IDS=, scripts/gpu_run.sh, must not narrow what the subprocess collects), plus
-    ``set_vars``."""
+def _collect(**set_vars):
+    """``pytest --collect-only`` of tests/test_validation.py in a subprocess whose
+    environment lacks the suite's own selection (a run under SHARD= or TEST_IDS=,
+    scripts/gpu_run.sh, must not narrow what it collects), plus ``set_vars``: (exit code,
+    the node ids, the output)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRIFLASH_TEST_SHARD", "TRIFLASH_TEST_IDS")}
     env.update(set_vars)
-    return env
-
-
-def _collect(shard):
-    env = _env(TRIFLASH_TEST_SHARD=shard) if shard else _env()
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                         "tests/test_validation.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
@@ -26,11 +22,11 @@ def _collect(shard):
 
 
 def test_shards_partition_the_suite():
-    rc, every, out = _collect("")
+    rc, every, out = _collect()
     assert rc == 0 and len(every) > 10, out
     parts = []
     for i in (1, 2, 3):
-        rc, ids, out = _collect(f"{i}/3")
+        rc, ids, out = _collect(TRIFLASH_TEST_SHARD=f"{i}/3")
         assert rc == 0, out
         parts.append(ids)
     assert set().union(*parts) == every
@@ -39,20 +35,17 @@ def test_shards_partition_the_suite():
 
 @pytest.mark.parametrize("bad", ["0/2", "3/2", "x"])
 def test_bad_shard_is_refused(bad):
-    rc, _, out = _collect(bad)
+    rc, _, out = _collect(TRIFLASH_TEST_SHARD=bad)
     assert rc != 0 and "TRIFLASH_TEST_SHARD" in out
 
 
 def test_test_ids_file_keeps_only_its_tests(tmp_path):
     """TRIFLASH_TEST_IDS=path keeps exactly the node ids the file lists (comments skipped)."""
-    rc, every, out = _collect("")
+    rc, every, out = _collect()
     assert rc == 0 and len(every) > 10, out
     chosen = sorted(every)[:3]
     ids = tmp_path / "ids.txt"
     ids.write_text("# a stopped call's remainder\n" + "\n".join(chosen) + "\ntests/test_validation.py::not_a_test\n")
-    env = _env(TRIFLASH_TEST_IDS=str(ids))
-    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "tests/test_validation.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert {line for line in p.stdout.splitlines() if "::" in line} == set(chosen)
+    rc, kept, out = _collect(TRIFLASH_TEST_IDS=str(ids))
+    assert rc == 0, out
+    assert kept == set(chosen)

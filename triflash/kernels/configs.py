@@ -390,9 +390,9 @@ SM90_BWD = {
 #     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
-    # session 25 (dispatched at 025f171 and again at the next session's start): tree_max,
-    # sum_partial and the round robin of turns at 64, sum_partial at 128, sum_partial and
-    # rescale_threshold at 256 (probes/probe-rounds-95960bf.json; benchmarks/NOTES.md)
+    # since session 26: tree_max, sum_partial and the round robin of turns at 64,
+    # sum_partial at 128, sum_partial and rescale_threshold at 256
+    # (probes/probe-rounds-95960bf.json; complete run: benchmarks/NOTES.md 5ae1b49)
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
                         rescale_early=True, pingpong=True, tree_max=True, sum_partial=True),
@@ -402,6 +402,7 @@ SM90_HOPPER_FWD = {
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True,
                          rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True),
 }
+
 
 def flipped(cfg, name):
     """``cfg``'s option ``name`` flipped, for the tests and compile rows of the options
