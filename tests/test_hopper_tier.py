@@ -206,11 +206,13 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 # dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128 since
 # session 15, here off), and flipped from the dispatched value: ``tree_max`` (each row's max
 # of S by a tree: max is exact, so the same maxima), ``pingpong`` (64: the three
-# consumers taking turns round robin; 128 / 256 with or without turns) and, at 256,
-# ``persistent_unmasked`` (unmasked tiles walked by one persistent CTA per SM, one Q slot).
+# consumers taking turns round robin; 128 / 256 with or without turns), ``named_turns`` (the
+# turns on named barriers) and, at 256, ``persistent_unmasked`` (unmasked tiles walked by one
+# persistent CTA per SM, one Q slot).
 FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
     (d, {o: _configs.flipped(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max", "pingpong") for d in (64, 128, 256)] + [
-    (256, {"persistent_unmasked": _configs.flipped(_configs.SM90_HOPPER_FWD[256], "persistent_unmasked")})]
+    (256, {"persistent_unmasked": _configs.flipped(_configs.SM90_HOPPER_FWD[256], "persistent_unmasked")})] + [
+    (d, {"named_turns": _configs.flipped(_configs.SM90_HOPPER_FWD[d], "named_turns")}) for d in (64, 128, 256)]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],

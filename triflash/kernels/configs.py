@@ -50,6 +50,11 @@ class HopperFwdConfig:
     # 2x8192x32x64 in five interleaved rounds, probes/probe-rounds-95960bf.json, where the
     # same kernel measured twice gave 510.6 and 519.3 / 484.7 and 491.9)
     pingpong: bool = False
+    # the turns on named barriers (``bar.sync`` to take one, ``bar.arrive`` to pass it on: FA3
+    # / FA4's warp scheduler barriers) instead of mbarriers (a polled wait, and an arrive by
+    # one thread that Triton's barrier pass brackets with warpgroup syncs). The same
+    # outputs, bit for bit.
+    named_turns: bool = False
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
     # wgmma; the same values). On since session 13: in interleaved rounds on the H200
     # (probes/probe-rounds-packed-8ce1f2a.json, non-causal / causal TFLOPS, off -> on) 64
@@ -392,14 +397,16 @@ SM90_BWD = {
 SM90_HOPPER_FWD = {
     # since session 26: tree_max, sum_partial and the round robin of turns at 64,
     # sum_partial at 128, sum_partial and rescale_threshold at 256
-    # (probes/probe-rounds-95960bf.json; complete run: benchmarks/NOTES.md 5ae1b49)
+    # (probes/probe-rounds-95960bf.json; complete run: benchmarks/NOTES.md 5ae1b49);
+    # since session 27 the turns on named barriers (named_turns, probes/probe-rounds-named1.json)
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True, pingpong=True, tree_max=True, sum_partial=True),
-    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, persistent_unmasked=True,
+                        rescale_early=True, pingpong=True, named_turns=True, tree_max=True,
+                        sum_partial=True),
+    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, named_turns=True, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
                          sum_partial=True),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, persistent_masked=True,
+    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, named_turns=True, persistent_masked=True,
                          rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True),
 }
 

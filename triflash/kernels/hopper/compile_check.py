@@ -304,7 +304,8 @@ def all_variants():
                          packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):
     # each row's max of S by a tree (tree_max), the consumers' turns (pingpong; 64: round
-    # robin over three), per-thread partial row sums (sum_partial), and at 256 the stale
+    # robin over three), the turns on named barriers (named_turns), per-thread partial row
+    # sums (sum_partial), and at 256 the stale
     # running max (rescale_threshold) and the persistent walk of unmasked tiles with one Q
     # slot (persistent_unmasked)
     for d, name in FWD_FLIPPED:
@@ -335,7 +336,7 @@ def code_of(ptx: str) -> str:
 
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
-FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial"))) + (
+FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial", "named_turns"))) + (
     (256, "rescale_threshold"), (256, "persistent_unmasked"))
 
 

@@ -230,12 +230,49 @@ def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP_ONES: gl.constexpr):
     return o_acc
 
 
+# Named barriers of the turns (``HopperFwdConfig.named_turns``): TURN_BARRIER + consumer
+# id. Triton's warp specialization uses ids 0-3 here (the partitions' own syncs, the
+# CTA-wide one); 16 exist.
+TURN_BARRIER = 12
+
+
+@gluon.jit
+def _named_barrier(ID: gl.constexpr, ARRIVE: gl.constexpr):
+    """``bar.sync`` (wait) or ``bar.arrive`` (no wait) on named barrier TURN_BARRIER + ``ID``
+    for the 256 threads of two consumer warpgroups, by every thread of this one."""
+    if ARRIVE:
+        if ID == 0:
+            gl.inline_asm_elementwise("bar.arrive 12, 256;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        elif ID == 1:
+            gl.inline_asm_elementwise("bar.arrive 13, 256;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive 14, 256;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    else:
+        if ID == 0:
+            gl.inline_asm_elementwise("bar.sync 12, 256;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        elif ID == 1:
+            gl.inline_asm_elementwise("bar.sync 13, 256;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.sync 14, 256;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+
 @gluon.jit
 def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
     """Pingpong: wait until the consumer before has issued its wgmmas (FA3's warp scheduler
     barrier; with three consumers a round robin, as FA4's at head dim 64), so one
-    warpgroup's softmax runs under the others' matrix multiplies."""
-    if PINGPONG:
+    warpgroup's softmax runs under the others' matrix multiplies. ``PINGPONG`` 1: the turns
+    are mbarriers (``turns``, phase ``turn & 1``); 2: named barriers, as FA3 / FA4
+    (``HopperFwdConfig.named_turns``: no polling, and none of the warpgroup syncs that
+    Triton's barrier pass puts around a one-thread ``mbarrier.arrive``)."""
+    if PINGPONG == 2:
+        _named_barrier(CID, False)
+    elif PINGPONG:
         mbarrier.wait(turns.index(CID), turn & 1)
 
 
@@ -243,8 +280,19 @@ def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
 def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr):
     """... to the next consumer (round robin over two or three)."""
     N: gl.constexpr = turns.shape[0]
-    if PINGPONG:
+    if PINGPONG == 2:
+        _named_barrier((CID + 1) % N, True)
+    elif PINGPONG:
         mbarrier.arrive(turns.index((CID + 1) % N))
+
+
+@gluon.jit
+def _first_turn(CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Named-barrier turns: consumer 0 arrives on its own barrier once, so it issues first
+    (the mbarrier turns start with an arrival in the kernel's prologue)."""
+    if PINGPONG == 2:
+        if CID == 0:
+            _named_barrier(0, True)
 
 
 @gluon.jit
@@ -360,6 +408,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
+    _first_turn(CID, PINGPONG)
     kv_base = 0
     turn = 0
     local = 0
@@ -629,12 +678,17 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            cfg.pingpong, cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
+            turns_kind(cfg), cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
             0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold), cfg.tree_max,
             cfg.sum_partial]
     return grid, args
+
+
+def turns_kind(cfg) -> int:
+    """``PINGPONG``: 0 no turns, 1 turns on mbarriers, 2 on named barriers (``named_turns``)."""
+    return (2 if cfg.named_turns else 1) if cfg.pingpong else 0
 
 
 def rescale_early(cfg, params) -> bool:
