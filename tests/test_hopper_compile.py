@@ -79,8 +79,11 @@ HOPPER_FWD_SPILL_BUDGET = {
     # persistent two-Q-slot walk of the plain tile keeps more addresses live next to it
     # (372 B measured, bf16 and fp16; causal and window + softcap 0 B), and ran as fast as
     # Q from shared memory (configs.HopperFwdConfig.q_regs); with per-thread partial row sums
-    # (sum_partial, dispatched in session 26) 404 B
-    ("plain", 128): 448,
+    # (sum_partial, dispatched in session 26) 404 B; with the turns on named barriers
+    # (named_turns, session 27) 484 B, two spill stores and loads per key block in two of
+    # its loops (one before), and 0.4% faster non-causal in five rounds
+    # (probes/probe-rounds-named1.json)
+    ("plain", 128): 512,
     # session 26's 256 tile (sum_partial and rescale_threshold: the warpgroup's min of alpha
     # before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
     # the KV-cache form (bf16 and fp16); window + softcap 144 B (budget above)
@@ -156,7 +159,10 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("plain", 128): 256,
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
-    ("plain", 256): 192,
+    # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers (named_turns,
+    # session 27) 212 / 220 B (GPU tests passed; the varlen seed forward ran 0.946x the dense
+    # one in c0c4f9a's benchmark, 0.953x in 5ae1b49's)
+    ("plain", 256): 256,
     # 396 B measured with packed_cvt (session 13; 360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
@@ -300,7 +306,8 @@ def test_tile_variants_compile_for_sm90a():
     are dispatched since session 15: the tests above compile them in every form.) The 64 / 128
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
     forward with each row's max of S by a tree
-    (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin) and with
+    (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin), with the
+    turns on mbarriers instead of named barriers (``named_turns``) and with
     per-thread partial row sums (``sum_partial``), and at 256 the stale running max
     (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
     one Q slot): each flipped from its dispatched value (``configs.flipped``)."""
