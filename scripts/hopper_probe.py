@@ -47,16 +47,22 @@ QUICK_FWD = [1, 2, 4, 8, 9, 10, 14, 15, 16]
 
 
 def _apply_overrides(spec):
-    """'pingpong=1,persistent=0,stages=3' applied to every SM90_HOPPER_FWD entry."""
+    """'pingpong=1,persistent=0,stages=3' applied to every SM90_HOPPER_FWD entry; an item
+    'D:key=val' (e.g. '256:block_n=80') to head dim D's tile only."""
     import dataclasses
     if not spec:
         return
-    kw = {}
+    kw = {d: {} for d in configs.SM90_HOPPER_FWD}
     for item in spec.split(","):
         key, val = item.split("=")
-        kw[key] = type(getattr(configs.SM90_HOPPER_FWD[128], key))(int(val))  # bool fields as bools
+        dims = list(configs.SM90_HOPPER_FWD)
+        if ":" in key:
+            d, key = key.split(":")
+            dims = [int(d)]
+        for d in dims:
+            kw[d][key] = type(getattr(configs.SM90_HOPPER_FWD[d], key))(int(val))  # bool fields as bools
     for d in list(configs.SM90_HOPPER_FWD):
-        configs.SM90_HOPPER_FWD[d] = dataclasses.replace(configs.SM90_HOPPER_FWD[d], **kw)
+        configs.SM90_HOPPER_FWD[d] = dataclasses.replace(configs.SM90_HOPPER_FWD[d], **kw[d])
 
 
 def check(args):

@@ -136,6 +136,11 @@ HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
 # rescale; one spill store and load per key block in two of the four loops)
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96}
+# Key blocks that are no power of two (compile_check.FWD_SPLIT_TILES, session 27, not
+# measured yet): 80 keys at 256 (S 64 x 80 and P beside the 64 x 256 fp32 O) spill 704 B
+# plain, 520 B causal; 144 keys at 128 (Q in registers) 780 B plain, 152 B causal (bf16)
+HOPPER_FWD_SPLIT_SPILL_BUDGET = {("plain", 256): 768, ("causal", 256): 576, ("plain", 128): 832,
+                                 ("causal", 128): 192}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -310,7 +315,8 @@ def test_tile_variants_compile_for_sm90a():
     turns on mbarriers instead of named barriers (``named_turns``) and with
     per-thread partial row sums (``sum_partial``), and at 256 the stale running max
     (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
-    one Q slot): each flipped from its dispatched value (``configs.flipped``)."""
+    one Q slot): each flipped from its dispatched value (``configs.flipped``); and key blocks
+    that are no power of two (``compile_check.FWD_SPLIT_TILES``: 80 keys at 256, 144 at 128)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     from triflash.kernels.hopper import compile_check
@@ -327,7 +333,8 @@ def test_tile_variants_compile_for_sm90a():
         (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
         for d in (128, 256) for f in ("causal", "window-softcap")} | {
         (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
-        for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
+        for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")} | {
+        (d, f, f"block_n={n}") for d, n in compile_check.FWD_SPLIT_TILES for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
@@ -342,6 +349,8 @@ def test_tile_variants_compile_for_sm90a():
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
             if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
+            if r.get("option", "").startswith("block_n"):
+                budget = {**budget, **HOPPER_FWD_SPLIT_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         else:

@@ -40,7 +40,9 @@ class BwdConfig:
 @dataclass(frozen=True)
 class HopperFwdConfig:
     """Gluon sm90 forward (kernels/hopper/fwd.py): 2 consumer warpgroups x 64 query rows,
-    one TMA loader warp; K/V rings of ``stages`` slots of ``block_n`` keys."""
+    one TMA loader warp; K/V rings of ``stages`` slots of ``block_n`` keys (a power of two,
+    or 64 / 128 plus 16 or 32: two wgmmas per product, ``hopper.fwd._issue_s``; measured:
+    none yet, 80 at 256 is FA3 / FA4's tile)."""
     block_n: int
     stages: int
     num_consumers: int = 2
