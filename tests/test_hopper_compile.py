@@ -356,3 +356,14 @@ def test_tile_variants_compile_for_sm90a():
         else:
             budget = HOPPER_BWD_SPILL_BUDGET
         _check_row(r, budget.get((r["feature"], r["headdim"]), 0))
+
+
+def test_forward_kv_box_of_a_key_block():
+    """The rows of the forward's K / V TMA boxes (``hopper.fwd.kv_box``): the key block when
+    it is a power of two; for 64 / 128 plus 16 or 32 keys (two wgmmas per product) the
+    smaller part; any other block size is refused with its value named."""
+    from triflash.kernels.hopper.fwd import kv_box
+    assert [kv_box(n) for n in (64, 128, 80, 144, 96, 160)] == [64, 128, 16, 16, 32, 32]
+    for n in (48, 72, 176, 192):
+        with pytest.raises(ValueError, match=f"block_n={n}"):
+            kv_box(n)
