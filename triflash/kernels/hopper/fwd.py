@@ -64,7 +64,7 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                 SCHEDULED: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
-    SPLIT: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64) > 0
+    SPLIT: gl.constexpr = k_desc.block_type.shape[1] != BLOCK_N  # (boxes of a split block: kv_box)
     D: gl.constexpr = q_desc.block_type.shape[3]
     # bytes of one K / V block: one box, or (split key blocks, _load_kv) several
     K_BYTES: gl.constexpr = (k_desc.block_type.nbytes * (BLOCK_N // k_desc.block_type.shape[1])
@@ -304,20 +304,18 @@ def _probs(s, m_use, qk_scale, SOFTCAP: gl.constexpr):
 
 
 # Key blocks of ``BLOCK_N`` keys that are not a power of two (80 at head dim 256, FA3 / FA4's
-# tile; Gluon's register tensors are powers of two): two wgmmas per product, the first 64
-# keys and the other ``_key_parts(BLOCK_N)[1]`` (16 / 32), S, P and the key columns as
-# pairs. A power of two: one wgmma, plain tensors.
+# tile; Gluon's register tensors are powers of two): ``SPLIT``, two wgmmas per product, the
+# block's first 64 / 128 keys and the other 16 / 32 (BN_A + BN_B in the kernel and the
+# consumers; the host's ``kv_box`` refuses other sizes, and the kernel asserts that its K / V
+# boxes agree), K / V slots (``_slot``), S, P and the key columns as pairs; the sizes come
+# from the slots. A power of two: one wgmma, plain tensors.
 @gluon.jit
-def _issue_s(q_a, k_slot, BLOCK_N: gl.constexpr):
+def _issue_s(q_a, k_slot, SPLIT: gl.constexpr):
     """S = Q K^T of one key block issued asynchronously (its token, or a pair)."""
     BM: gl.constexpr = q_a.shape[0]
-    BN_B: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64)
-    BN_A: gl.constexpr = BLOCK_N - BN_B
-    if BN_B == 0:
-        return warpgroup_mma(q_a, k_slot.permute((1, 0)),
-                             gl.zeros([BM, BLOCK_N], gl.float32, _acc_layout(BLOCK_N, q_a.dtype)),
-                             use_acc=False, is_async=True)
-    else:
+    if SPLIT:
+        BN_A: gl.constexpr = k_slot[0].shape[0]
+        BN_B: gl.constexpr = k_slot[1].shape[0]
         s_a = warpgroup_mma(q_a, k_slot[0].permute((1, 0)),
                             gl.zeros([BM, BN_A], gl.float32, _acc_layout(BN_A, q_a.dtype)),
                             use_acc=False, is_async=True)
@@ -325,29 +323,31 @@ def _issue_s(q_a, k_slot, BLOCK_N: gl.constexpr):
                             gl.zeros([BM, BN_B], gl.float32, _acc_layout(BN_B, q_a.dtype)),
                             use_acc=False, is_async=True)
         return s_a, s_b
+    else:
+        BLOCK_N: gl.constexpr = k_slot.shape[0]
+        return warpgroup_mma(q_a, k_slot.permute((1, 0)),
+                             gl.zeros([BM, BLOCK_N], gl.float32, _acc_layout(BLOCK_N, q_a.dtype)),
+                             use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _wait_s(s_tok, BLOCK_N: gl.constexpr, PV_PENDING: gl.constexpr):
+def _wait_s(s_tok, SPLIT: gl.constexpr, PV_PENDING: gl.constexpr):
     """S of ``_issue_s`` once its wgmmas retired; with ``PV_PENDING`` the P V issued after
     it (``_issue_pv``, as many wgmma groups) stays in flight."""
-    BN_B: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64)
-    if BN_B == 0:
-        return warpgroup_mma_wait(PV_PENDING, deps=(s_tok,))
-    else:
+    if SPLIT:
         return warpgroup_mma_wait(2 * PV_PENDING, deps=s_tok)
+    else:
+        return warpgroup_mma_wait(PV_PENDING, deps=(s_tok,))
 
 
 @gluon.jit
-def _issue_pv(p, v_slot, o_acc, BLOCK_N: gl.constexpr):
+def _issue_pv(p, v_slot, o_acc, SPLIT: gl.constexpr):
     """O += P V of one key block issued asynchronously (P: 16-bit registers, or a pair)."""
-    BN_B: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64)
-    BN_A: gl.constexpr = BLOCK_N - BN_B
-    if BN_B == 0:
-        return warpgroup_mma(p, v_slot, o_acc, is_async=True)
-    else:
+    if SPLIT:
         o_tok = warpgroup_mma(p[0], v_slot[0], o_acc, is_async=True)
         return warpgroup_mma(p[1], v_slot[1], o_tok, is_async=True)
+    else:
+        return warpgroup_mma(p, v_slot, o_acc, is_async=True)
 
 
 @gluon.jit
@@ -482,7 +482,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
               THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False, SPLIT: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
@@ -490,7 +490,6 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
     order at head dims above 128), instead of after that wgmma retires. The block's alpha
     is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
-    SPLIT: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64) > 0
     DV: gl.constexpr = o_acc.shape[1]
     o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
@@ -499,13 +498,13 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     prev = (g - 1) % STAGES
     _take_turn(turns, turn, CID, PINGPONG)
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
-    s_tok = _issue_s(q_buf, _slot(k_ring, stage, SPLIT), BLOCK_N)
+    s_tok = _issue_s(q_buf, _slot(k_ring, stage, SPLIT), SPLIT)
     if RESCALE_EARLY:
         o_acc = _rescale(o_acc, alpha_prev, o_layout, THRESHOLD > 0)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    o_tok = _issue_pv(p_prev, _slot(v_ring, prev, SPLIT), o_acc, BLOCK_N)
+    o_tok = _issue_pv(p_prev, _slot(v_ring, prev, SPLIT), o_acc, SPLIT)
     _pass_turn(turns, CID, PINGPONG)
-    s = _wait_s(s_tok, BLOCK_N, 1)
+    s = _wait_s(s_tok, SPLIT, 1)
     mbarrier.arrive(k_free.index(stage))
     cols = _key_cols((n_max - 1 - it) * BLOCK_N, cols0, SPLIT)
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
@@ -595,9 +594,9 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             stage = g0 % STAGES
             _take_turn(turns, turn + lead, CID, PINGPONG)
             mbarrier.wait(k_ready.index(stage), (g0 // STAGES) & 1)
-            s_tok = _issue_s(q_a, _slot(k_ring, stage, SPLIT), BLOCK_N)
+            s_tok = _issue_s(q_a, _slot(k_ring, stage, SPLIT), SPLIT)
             _pass_turn(turns, CID, PINGPONG)
-            s = _wait_s(s_tok, BLOCK_N, 0)
+            s = _wait_s(s_tok, SPLIT, 0)
             mbarrier.arrive(k_free.index(stage))
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows,
                                                  _key_cols((n_max - 1 - lead) * BLOCK_N, cols0, SPLIT),
@@ -621,7 +620,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)
+                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SPLIT)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
@@ -629,7 +628,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             last = g_last % STAGES
             _take_turn(turns, turn + end, CID, PINGPONG)
             mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
-            o_tok = _issue_pv(p_prev, _slot(v_ring, last, SPLIT), o_acc, BLOCK_N)
+            o_tok = _issue_pv(p_prev, _slot(v_ring, last, SPLIT), o_acc, SPLIT)
             _pass_turn(turns, CID, PINGPONG)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(v_free.index(last))
@@ -691,6 +690,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     # of two) in two rings of BN_A- and BN_B-row tiles
     BN_B: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64)
     BN_A: gl.constexpr = BLOCK_N - BN_B
+    gl.static_assert((BN_B > 0) == (k_desc.block_type.shape[1] != BLOCK_N),
+                     "a split key block comes with K / V boxes of its smaller part (kv_box)")
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN_A, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN_A, DV], dtype)
     if BN_B > 0:
