@@ -278,9 +278,12 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
     ((o, _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], o)), d)
     for o, dims in (("sum_partial", (64, 128, 192, 256)), ("rescale_threshold", (192, 256))) for d in dims] + [
-    (("block_n", 80), 192), (("block_n", 80), 256), (("block_n", 144), 128)]
+    (("block_n", 80), 192), (("block_n", 80), 256), (("block_n", 144), 128)] + [
+    (("split_keys", 2), d) for d in (64, 128, 192, 256)]
 # (rescale_threshold applies where O is rescaled late: under masks; block_n 80 / 144: key
-# blocks of 64 + 16 / 128 + 16 keys, two wgmmas per product, tails of every length)
+# blocks of 64 + 16 / 128 + 16 keys, two wgmmas per product, tails of every length;
+# split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
+# merged, hopper.split_combine, at every shape here but 1 x 1 (one key block per tile))
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 16, 4), (1, 1, 4, 4)],
@@ -307,6 +310,34 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
     assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
     assert_forward_matches(out_varlen.view(2, sq, h, d), lse_varlen.view(h, 2, sq).transpose(0, 1), ref, lse_ref,
                            pt, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,sq,sk,h,hk,softcap", [(2, 777, 1501, 8, 2, 30.0), (1, 2000, 333, 67, 67, 0.0),
+                                                   (3, 129, 4096, 12, 1, 0.0)], ids=lambda x: str(x))
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.option
+def test_hopper_fwd_split_keys(d, b, sq, sk, h, hk, softcap, dtype, monkeypatch):
+    """``split_keys`` = 2 (the last round's tiles cut into pieces of key blocks, merged by
+    ``hopper.split_combine``) without a mask, softcap too, fp16 too, sq != sk, GQA / MQA,
+    more tiles than CTAs (whole tiles, then pieces), against the fp32 reference; the
+    allocator's memory filled with NaN first (every row must be written, by the kernel or
+    the merge)."""
+    import dataclasses
+    from triflash.kernels import configs
+    from triflash.kernels.hopper.common import kernel_head_dim
+    w = kernel_head_dim(d)
+    cfg = dataclasses.replace(configs.SM90_HOPPER_FWD[w], split_keys=2)
+    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, cfg)
+    g = torch.Generator(device="cuda").manual_seed(d * sq + sk)
+    q, k, v = (torch.randn(b, n, x, d, device="cuda", dtype=dtype, generator=g)
+               for n, x in ((sq, h), (sk, hk), (sk, hk)))
+    torch.full((4 * b * sq * h * d,), float("nan"), device="cuda", dtype=dtype)  # (freed: out's memory, likely)
+    with triflash.force_backend("hopper"):
+        out, lse = triflash.flash_attn_func(q, k, v, softcap=softcap, return_attn_probs=True)
+    ref, lse_ref = attention_ref(q, k, v, softcap=softcap)
+    pt, _ = attention_ref(q, k, v, upcast=False, softcap=softcap)
+    assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
 
 
 @pytest.mark.parametrize("sk", [1000, 4096])

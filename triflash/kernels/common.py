@@ -15,6 +15,9 @@
 * ``persistent_schedule``: the same tiles handed out to a fixed number of persistent CTAs
   as the hardware hands them to CTAs of a one-tile-per-CTA launch (the next tile in launch
   order to the CTA that frees up first), costed by ``visited_key_blocks``.
+* ``split_schedule``: a launch without masks whose tiles leave the last round of CTAs part
+  empty, with that round's key blocks cut into equal shares (pieces of tiles, combined
+  afterwards from their partial outputs and log-sum-exps).
 
 Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
 query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
@@ -139,6 +142,81 @@ def persistent_schedule(num_bh: int, num_m_blocks: int, section_heads: int, len_
     for w in walks:
         offsets.append(offsets[-1] + len(w))
     return tuple(offsets) + tuple(t for w in walks for t in w)
+
+
+# ``split_schedule``'s estimate of a piece's own cost in key blocks beyond a tile's: its
+# fp32 partial output written and read back, and its share of the combining launch
+PIECE_OVERHEAD = 2
+
+
+def split_schedule(num_tiles: int, num_blocks: int, num_ctas: int, persistent: bool,
+                   overhead: int = 1, always: bool = False):
+    """Tiles of ``num_blocks`` key blocks each (a launch without masks: every tile visits
+    them all) for ``num_ctas`` CTAs, the last round's key blocks split evenly: with F, r =
+    divmod(num_tiles, num_ctas), tiles [0, F * num_ctas) are walked whole, and the r * num_blocks
+    key blocks of the other r tiles (in tile order, then block order) are cut into
+    ``num_ctas`` consecutive shares (at most r * num_blocks of them, one block at least), a
+    share cut again where it crosses from one tile into the next. A whole tile then ends the
+    launch at the cost of F + 1 tiles; the shares at F tiles and a share (stream-K's
+    remainder split). Worth it when that saves more than the pieces' fixed costs
+    (``overhead`` per tile, ``PIECE_OVERHEAD`` per piece, two pieces per CTA at most);
+    ``always``: whenever a round is part empty (tests).
+
+    ``persistent``: CTA c walks tiles c, c + num_ctas, ..., then its share; else one CTA per
+    whole tile, then one per share. Returns None (not worth it), or (walks, pieces): walks[c]
+    a list of (tile, lo, hi, piece), key blocks [lo, hi) of ``tile``, ``piece`` -1 for a
+    whole tile, else the piece's slot; pieces a list of (tile, first slot, slots) for every
+    tile cut into pieces (its slots consecutive)."""
+    F, r = divmod(num_tiles, num_ctas)
+    if r == 0 or num_blocks == 0:
+        return None
+    total = r * num_blocks
+    shares = min(num_ctas, total)
+    if not always and total / shares + 2 * (overhead + PIECE_OVERHEAD) >= num_blocks + overhead:
+        return None
+    if persistent:
+        walks = [[(c + i * num_ctas, 0, num_blocks, -1) for i in range(F)] for c in range(num_ctas)]
+        tail = walks[:shares]
+    else:
+        walks = [[(t, 0, num_blocks, -1)] for t in range(F * num_ctas)]
+        tail = [[] for _ in range(shares)]
+        walks += tail
+    pieces = []
+    slot = 0
+    for c in range(shares):
+        b, end = c * total // shares, (c + 1) * total // shares
+        while b < end:
+            t, lo = divmod(b, num_blocks)
+            hi = min(num_blocks, lo + end - b)
+            tile = F * num_ctas + t
+            if hi - lo == num_blocks:
+                tail[c].append((tile, lo, hi, -1))
+            else:
+                if not pieces or pieces[-1][0] != tile:
+                    pieces.append((tile, slot, 0))
+                pieces[-1] = (tile, pieces[-1][1], pieces[-1][2] + 1)
+                tail[c].append((tile, lo, hi, slot))
+                slot += 1
+            b += hi - lo
+    return walks, pieces
+
+
+def split_table(num_tiles: int, num_blocks: int, num_ctas: int, persistent: bool,
+                overhead: int = 1, always: bool = False):
+    """``split_schedule`` flattened for the device: None, or (table, ctas, slots, tiles cut):
+    table = offsets (ctas + 1: CTA c walks entries [offsets[c], offsets[c + 1])), the
+    entries (tile, lo, hi, piece; 4 each), then (tile, first slot, slots) of every tile cut."""
+    plan = split_schedule(num_tiles, num_blocks, num_ctas, persistent, overhead, always)
+    if plan is None:
+        return None
+    walks, pieces = plan
+    offsets = [0]
+    for w in walks:
+        offsets.append(offsets[-1] + len(w))
+    entries = tuple(x for w in walks for e in w for x in e)
+    cut = tuple(x for p in pieces for x in p)
+    slots = sum(p[2] for p in pieces)
+    return tuple(offsets) + entries + cut, len(walks), slots, len(pieces)
 
 
 @triton.jit

@@ -167,6 +167,11 @@ class HopperFwdConfig:
     # persistent only: Q tiles (each also the O staging of its tile) for this many tiles, so
     # the loader fetches the next tile's Q while this one runs (2: 2 x the Q shared memory)
     q_slots: int = 1
+    # Without causal / window mask on a dense batch, the last round of tiles cut into equal
+    # shares of key blocks when it would leave CTAs idle (stream-K's remainder split,
+    # ``common.split_schedule``; the pieces merged by ``hopper.split_combine``): 1 where the
+    # schedule's estimate says it saves time, 2 whenever that round is part empty (tests).
+    split_keys: int = 0
     consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240)
     loader_regs: int = 24      # setmaxnreg for the loader warp (FA3: 24)
 

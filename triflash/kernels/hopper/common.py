@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from ..common import (launch_order, launch_sections, m_block_range, n_block_range, persistent_schedule,
-                      seqlen_info)
+                      seqlen_info, split_table)
 
 
 @gluon.constexpr_function
@@ -194,24 +194,45 @@ def num_sms(device) -> int:
     return _NUM_SMS[device]
 
 
-def schedule_table(device, key):
-    """``common.persistent_schedule(*key)`` as an int32 tensor on ``device``, kept per shape;
-    None while ``device``'s stream is capturing a CUDA graph and this shape has no table yet
-    (the copy to the device cannot be captured: the caller launches one CTA per tile
-    instead). A table a graph has captured is kept for as long as the process runs: every
-    replay reads it."""
-    t = _SCHEDULES.get((device, key))
+def schedule_table(device, key, make=persistent_schedule):
+    """``make(*key)`` (``common.persistent_schedule``; ``split_plan``: ``common.split_table``)
+    as an int32 tensor on ``device``, kept per shape; None while ``device``'s stream is
+    capturing a CUDA graph and this shape has no table yet (the copy to the device cannot be
+    captured: the caller launches one CTA per tile instead). A table a graph has captured is
+    kept for as long as the process runs: every replay reads it."""
+    t = _SCHEDULES.get((device, make, key))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if t is None:
         if capturing:
             return None
         if len(_SCHEDULES) >= 64:
             _SCHEDULES.clear()
-        t = torch.tensor(persistent_schedule(*key), dtype=torch.int32, device=device)
-        _SCHEDULES[(device, key)] = t
+        t = torch.tensor(make(*key), dtype=torch.int32, device=device)
+        _SCHEDULES[(device, make, key)] = t
     if capturing:
-        _CAPTURED_SCHEDULES[(device, key)] = t
+        _CAPTURED_SCHEDULES[(device, make, key)] = t
     return t
+
+
+_SPLITS = {}
+
+
+def split_plan(device, key):
+    """``common.split_table(*key)`` with its table on ``device`` (``schedule_table``): None
+    (no split, or a capture meeting a new shape), or (table, ctas, slots, tiles cut)."""
+    if key not in _SPLITS:
+        if len(_SPLITS) >= 64:
+            _SPLITS.clear()
+        _SPLITS[key] = split_table(*key)
+    plan = _SPLITS[key]
+    if plan is None:
+        return None
+    table = schedule_table(device, key, _split_entries)
+    return None if table is None else (table, *plan[1:])
+
+
+def _split_entries(*key):
+    return _SPLITS[key][0] if key in _SPLITS else split_table(*key)[0]
 
 
 @triton.jit

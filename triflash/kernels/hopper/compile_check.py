@@ -112,7 +112,12 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
     if kvcache:
         used = torch.zeros(q.shape[0], dtype=torch.int32)
-    _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used)
+    split = ws = None
+    if cfg.split_keys and not p.masked and not varlen and not kvcache:
+        # (the walk of a split launch, fwd.split_keys; its table's values do not specialize)
+        split, ws = (torch.zeros(16, dtype=torch.int32), 132, 1, 1), torch.empty(1)
+    _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used,
+                            split=split, ws=ws, wsl=ws)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers,
                q_slots=kernel_arg(H.hopper_fwd_kernel, args, "Q_SLOTS"),

@@ -41,15 +41,17 @@ into the next sequence). Head dims 96 and 192 run as 128 and 256 (``kernel_head_
 varlen batch's masked O stores stop at ``HEAD_DIM``). Not covered (dispatch falls back to
 the portable kernels): other head dims, headdim_v != headdim.
 """
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, n_block_range, scores, visible
-from .common import (Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at, _tile_walk, _tma_view,
-                     a_operand, descriptor, kernel_head_dim, num_sms, persistent_walk, planned_launch,
-                     schedule_table, to_16bit)
+from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at,
+                     _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk,
+                     planned_launch, schedule_table, split_plan, to_16bit)
+from .split_combine import combine
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -62,7 +64,7 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
                 HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                SCHEDULED: gl.constexpr):
+                SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     SPLIT: gl.constexpr = k_desc.block_type.shape[1] != BLOCK_N  # (boxes of a split block: kv_box)
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -75,12 +77,14 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
     local = 0
     first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
     for walk in range(first, end, step):
-        tile = _tile_at(walk, SCHED, SCHEDULED)
+        tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
          n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
             tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
             CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
             BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+        if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
+            n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
         # The Q tiles double as the O staging of the tile that last used the slot: wait for
         # its stores (with two slots the next tile's Q loads while this one is computed).
         # A fresh barrier counts as having completed the phase before 0.
@@ -107,6 +111,50 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                      SPLIT)
         kv_base += count
         local += 1
+
+
+@gluon.jit
+def _piece_at(walk, SCHED, SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
+    """(tile, lo, hi, piece) at position ``walk`` of ``_tile_walk``: with ``PIECES`` an
+    entry of the host's ``common.split_table`` (key blocks [lo, hi) of the tile, ``piece``
+    its partial output's slot, -1 for the whole tile), else the whole tile."""
+    if PIECES:
+        at = SCHED + gl.num_programs(0) + 1 + 4 * walk
+        tile = gl.load(at)
+        lo = gl.load(at + 1)
+        hi = gl.load(at + 2)
+        piece = gl.load(at + 3)
+    else:
+        tile = _tile_at(walk, SCHED, SCHEDULED)
+        lo = 0
+        hi = 0
+        piece = -1
+    return tile, lo, hi, piece
+
+
+@gluon.jit
+def _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max):
+    """A tile's key block range (``n_block_range``'s four) cut to the piece [lo, hi)."""
+    n_min = gl.maximum(n_min, lo)
+    n_max = gl.maximum(gl.minimum(n_max, hi), n_min)
+    n_full_min = gl.minimum(gl.maximum(n_full_min, n_min), n_max)
+    n_full_max = gl.maximum(gl.minimum(n_full_max, n_max), n_full_min)
+    return n_min, n_full_min, n_full_max, n_max
+
+
+@gluon.jit
+def _store_piece(out, lse, WS, WSL, piece, row_off, BMT: gl.constexpr, o_layout: gl.constexpr,
+                 row_layout: gl.constexpr):
+    """A piece's partial output (fp32, normalized by its own row sums) and log-sum-exp, rows
+    ``row_off + i`` of its tile, into slot ``piece`` of the workspaces (``WS``: slots x BMT x
+    DV, ``WSL``: slots x BMT), for ``split_combine_kernel``."""
+    BM: gl.constexpr = out.shape[0]
+    DV: gl.constexpr = out.shape[1]
+    base = piece.to(gl.int64) * BMT + row_off
+    o_rows = base + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+    gl.store(WS + gl.expand_dims(o_rows * DV, 1) + gl.expand_dims(cols, 0), out)
+    gl.store(WSL + base + gl.arange(0, BM, layout=row_layout), lse)
 
 
 @gluon.jit
@@ -523,7 +571,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
                   v_free, turns, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
                   num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
+                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -531,7 +579,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
-                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr):
+                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = o_desc.block_type.shape[3]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -555,12 +603,14 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
     local = 0
     first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
     for walk in range(first, end, step):
-        tile = _tile_at(walk, SCHED, SCHEDULED)
+        tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
          n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
             tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
             CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
             BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+        if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
+            n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
         row_start = row0 + CID * BM
         rows = row_start + gl.arange(0, BM, layout=row_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
@@ -652,21 +702,38 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         l_safe = gl.where(seen, l_row, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-        gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
-                 + (start_q + rows).to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
-        # O goes out through this consumer's Q tile: every wgmma reading it has retired.
-        q_buf.store(out.to(q_buf.dtype))
-        _store_query_tile(q_buf, o_desc, O, stride_om, stride_oh, tma_batch, head, start_q, row_start,
-                          len_q, IS_VARLEN, HEAD_DIM)
+        if PIECES:
+            if piece >= 0:  # a piece: its partial, for split_combine_kernel
+                _store_piece(out, lse, WS, WSL, piece, CID * BM, BM * NUM_CONSUMERS, o_layout, row_layout)
+            else:
+                _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh,
+                           stride_lsem, tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN,
+                           HEAD_DIM)
+        else:
+            _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh,
+                       stride_lsem, tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN, HEAD_DIM)
         mbarrier.arrive(q_free.index(slot))
         local += 1
+
+
+@gluon.jit
+def _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
+               tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """A consumer's 64 rows of O and their log-sum-exps to the outputs."""
+    gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
+             + (start_q + rows).to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
+    # O goes out through this consumer's Q tile: every wgmma reading it has retired.
+    q_buf.store(out.to(q_buf.dtype))
+    _store_query_tile(q_buf, o_desc, O, stride_om, stride_oh, tma_batch, head, start_q, row_start,
+                      len_q, IS_VARLEN, HEAD_DIM)
 
 
 @gluon.jit
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       LSE, stride_lseb, stride_lseh, stride_lsem,
                       nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks, section_heads,
-                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
+                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                       qk_scale, softcap_log2, window_left, window_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -675,7 +742,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                       OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-                      THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr):
+                      THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr,
+                      PIECES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = o_desc.block_type.shape[3]  # (v_desc: 64-column boxes for split key blocks)
@@ -733,35 +801,35 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                         total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED))],
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize(
@@ -769,26 +837,26 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED,
+                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                         total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED))],
+                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -804,10 +872,11 @@ VARLEN = True
 
 
 def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None,
-                seqused_q=None, seqused_k=None, num_sms=132):
+                seqused_q=None, seqused_k=None, num_sms=132, split=None, ws=None, wsl=None):
     """(grid, args) of ``hopper_fwd_kernel``: dense (batch, seqlen, heads, dim) tensors with
     lse (batch, heads, seqlen_q), or varlen (total, heads, dim) with ``cu_seqlens_q/k`` and
-    lse (heads, total_q), ``params.max_seqlen_q`` bounding a sequence's query blocks."""
+    lse (heads, total_q), ``params.max_seqlen_q`` bounding a sequence's query blocks.
+    ``split``: ``split_keys``'s plan, its pieces' partials into ``ws`` / ``wsl``."""
     pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     q4, k4, v4, o4 = (pb.view(x) for x in (q, k, v, out))
     d = kernel_head_dim(q.shape[-1])
@@ -822,23 +891,28 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
                                           params.window_left, params.window_right, bm * cfg.num_consumers,
                                           cfg.block_n, min(num_tiles, num_sms), cfg.schedule_overhead))
         how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
+    q_slots = 1 if how == "grid" else cfg.q_slots
+    if split is not None:  # the walks of split_schedule, persistent or not
+        sched = split[0]
+        q_slots = cfg.q_slots if how == "strided" else 1
+        how = "pieces"
     # "grid": one CTA per tile; else one CTA per SM walking tiles (_tile_walk)
-    grid = (num_tiles if how == "grid" else min(num_tiles, num_sms),)
+    grid = (num_tiles if how == "grid" else split[1] if how == "pieces" else min(num_tiles, num_sms),)
     qk_scale, softcap_log2 = params.score_constants()
     box = kv_box(cfg.block_n)  # (split blocks: 64-column boxes, _load_kv)
     box_cols = d if box == cfg.block_n else 64
     args = [descriptor(q4, bm, d), descriptor(k4, box, box_cols), descriptor(v4, box, box_cols),
             descriptor(o4, bm, d), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_tiles, num_m_blocks,
-            sections, *pb.seq_args, sched,
+            sections, *pb.seq_args, sched, q if ws is None else ws, q if wsl is None else wsl,
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             turns_kind(cfg), cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
-            1 if how == "grid" else cfg.q_slots, how == "scheduled", q.shape[-1],  # .., HEAD_DIM,
+            q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
             0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold), cfg.tree_max,
-            cfg.sum_partial]
+            cfg.sum_partial, how == "pieces"]
     return grid, args
 
 
@@ -876,16 +950,46 @@ def walk(cfg, params, pb, num_tiles) -> str:
     return persistent_walk(cfg.persistent_unmasked, cfg.persistent_masked, pb, params, num_tiles)
 
 
+def split_keys(q, k, params, cfg):
+    """``HopperFwdConfig.split_keys`` on a dense batch without causal / window mask: None, or
+    the plan of ``common.split_table`` (its table on the device, CTAs, partial slots, tiles
+    cut) when the last round of tiles would leave CTAs idle (``split_keys`` = 2: whenever it
+    is part empty)."""
+    if not cfg.split_keys or params.masked:
+        return None
+    bmt = ROWS_PER_CONSUMER * cfg.num_consumers
+    num_tiles = ceil_div(q.shape[1], bmt) * q.shape[2] * q.shape[0]
+    if num_tiles == 0 or k.shape[1] == 0 or num_tiles > SCHEDULE_MAX_TILES:
+        return None
+    persistent = cfg.persistent or cfg.persistent_unmasked
+    return split_plan(q.device, (num_tiles, ceil_div(k.shape[1], cfg.block_n), num_sms(q.device), persistent,
+                                 cfg.schedule_overhead, cfg.split_keys == 2))
+
+
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
         seqused_k=None):
     """Forward into ``out`` and ``lse`` (layouts: ``kernel_args``). Dense batches launch
-    through a plan per signature (``common.planned_launch``)."""
+    through a plan per signature (``common.planned_launch``); where ``split_keys`` cuts the
+    last round's tiles into pieces, ``split_combine_kernel`` merges their partials after."""
+    dense = cu_seqlens_q is None and seqused_q is None and seqused_k is None
+    split = split_keys(q, k, params, cfg) if dense else None
+    tensors = (q, k, v, out, lse)
+    ws = wsl = None
+    if split is not None:
+        bmt = ROWS_PER_CONSUMER * cfg.num_consumers
+        ws = torch.empty(split[2] * bmt * kernel_head_dim(v.shape[-1]), dtype=torch.float32, device=q.device)
+        wsl = torch.empty(split[2] * bmt, dtype=torch.float32, device=q.device)
+        tensors += (ws, wsl)
+
     def build():
         return kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
-                           seqused_q, seqused_k, num_sms(q.device))
+                           seqused_q, seqused_k, num_sms(q.device), split, ws, wsl)
     key = None  # (varlen / seqused: their tensors are not in the key)
-    if cu_seqlens_q is None and seqused_q is None and seqused_k is None:
+    if dense:
         key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
                lse.stride(), q.dtype, q.get_device(), params, cfg)
-    planned_launch(hopper_fwd_kernel, key, (q, k, v, out, lse), build)
+    planned_launch(hopper_fwd_kernel, key, tensors, build)
+    if split is not None and split[3]:  # (tiles of one key block each are never cut)
+        combine(out, lse, ws, wsl, split[0][-3 * split[3]:], q, k, v, params,
+                ROWS_PER_CONSUMER * cfg.num_consumers, launch)
     return out, lse
