@@ -82,8 +82,13 @@ HOPPER_FWD_SPILL_BUDGET = {
     # (sum_partial, dispatched in session 26) 404 B; with the turns on named barriers
     # (named_turns, session 27) 484 B, two spill stores and loads per key block in two of
     # its loops (one before), and 0.4% faster non-causal in five rounds
-    # (probes/probe-rounds-named1.json)
+    # (probes/probe-rounds-named1.json); the plain rows compile the split tail's walk
+    # (split_keys, session 28: 0 B; its walk without pieces is the option row, 484 B)
     ("plain", 128): 512,
+    # the split tail's walk at 256 (split_keys, session 28): its table's entry and piece kept
+    # across the loop, 128 B, two spill loads per key block in two of its loops
+    # (scripts/sass_loops.py fwd 256 plain); 176 B with the turns on mbarriers (an option row)
+    ("plain", 256): 192,
     # session 26's 256 tile (sum_partial and rescale_threshold: the warpgroup's min of alpha
     # before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
     # the KV-cache form (bf16 and fp16); window + softcap 144 B (budget above)
@@ -227,8 +232,12 @@ def test_hopper_forward_compiles_for_sm90a():
         {(d, "plain", False) for d, c in tiles.items() if c.persistent_unmasked and c.q_slots == 2}
         | {(d, f, False) for d, c in tiles.items() if c.persistent_masked and c.q_slots == 2
            for f in ("causal", "window-softcap")})
+    # (and without a mask the walk of the split tail's table where it says split_keys)
+    assert {(r["headdim"], r["feature"]) for r in rows if r["pieces"]} == {
+        (d, "plain") for d, c in tiles.items() if c.split_keys}
     assert {(r["headdim"], r["feature"]) for r in rows if r["scheduled"]} == {
-        (d, f) for d, c in tiles.items() if c.persistent_masked for f in ("causal", "window-softcap")}
+        (d, f) for d, c in tiles.items() if c.persistent_masked for f in ("causal", "window-softcap")} | {
+        (d, "plain") for d, c in tiles.items() if c.split_keys}
     assert not any(r["scheduled"] and (r.get("varlen") or r.get("kvcache")) for r in rows)
     for r in rows:
         # P to 16 bits two at a time (packed_cvt): no one-at-a-time conversion left
@@ -315,7 +324,8 @@ def test_tile_variants_compile_for_sm90a():
     turns on mbarriers instead of named barriers (``named_turns``) and with
     per-thread partial row sums (``sum_partial``), and at 256 the stale running max
     (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
-    one Q slot): each flipped from its dispatched value (``configs.flipped``); and key blocks
+    one Q slot), and at 128 / 256 the walk without the split tail (``split_keys``): each
+    flipped from its dispatched value (``configs.flipped``); and key blocks
     that are no power of two (``compile_check.FWD_SPLIT_TILES``: 80 keys at 256, 144 at 128)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
@@ -347,7 +357,7 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold")):
+            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold", "split_keys")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
             if r.get("option", "").startswith("block_n"):
                 budget = {**budget, **HOPPER_FWD_SPLIT_SPILL_BUDGET}

@@ -405,25 +405,32 @@ SM90_HOPPER_FWD = {
     # since session 26: tree_max, sum_partial and the round robin of turns at 64,
     # sum_partial at 128, sum_partial and rescale_threshold at 256
     # (probes/probe-rounds-95960bf.json; complete run: benchmarks/NOTES.md 5ae1b49);
-    # since session 27 the turns on named barriers (named_turns, probes/probe-rounds-named1.json)
+    # since session 27 the turns on named barriers (named_turns, probes/probe-rounds-named1.json);
+    # since session 28 the split tail at 128 / 256 (split_keys, probes/probe-rounds-split_keys-404193d.json:
+    # 2x8192x16x128 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
+    # 624.3 / 625.7 TFLOPS in five rounds; at 64, 2x8192x32 517.6 -> 513.2: not there)
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
                         rescale_early=True, pingpong=True, named_turns=True, tree_max=True,
                         sum_partial=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, named_turns=True, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
-                         sum_partial=True),
+                         sum_partial=True, split_keys=1),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, named_turns=True, persistent_masked=True,
-                         rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True),
+                         rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True,
+                         split_keys=1),
 }
 
 
 def flipped(cfg, name):
     """``cfg``'s option ``name`` flipped, for the tests and compile rows of the options
-    against the dispatched tile: a flag negated, ``rescale_threshold`` 0.0 <-> 8.0."""
+    against the dispatched tile: a flag negated, ``rescale_threshold`` 0.0 <-> 8.0,
+    ``split_keys`` 0 <-> 1."""
     value = getattr(cfg, name)
     if name == "rescale_threshold":
         return 8.0 if value == 0.0 else 0.0
+    if name == "split_keys":
+        return 0 if value else 1
     return not value
 
 

@@ -121,7 +121,8 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers,
                q_slots=kernel_arg(H.hopper_fwd_kernel, args, "Q_SLOTS"),
-               scheduled=kernel_arg(H.hopper_fwd_kernel, args, "SCHEDULED"))
+               scheduled=kernel_arg(H.hopper_fwd_kernel, args, "SCHEDULED"),
+               pieces=kernel_arg(H.hopper_fwd_kernel, args, "PIECES"))
     if varlen:
         row["varlen"] = True
     if kvcache:
@@ -348,7 +349,7 @@ def code_of(ptx: str) -> str:
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
 FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial", "named_turns"))) + (
-    (256, "rescale_threshold"), (256, "persistent_unmasked"))
+    (256, "rescale_threshold"), (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys"))
 
 
 # (head dim, block_n) of the forward's split key blocks compiled in the variants part: FA3 /
