@@ -164,10 +164,13 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert hc.schedule_table(cuda, (1, 2, 3)) is None and not hc._SCHEDULES
     table = torch.zeros(3, dtype=torch.int32)
-    hc._SCHEDULES[(cuda, (1, 2, 3))] = table
+    hc._SCHEDULES[(cuda, hc.persistent_schedule, (1, 2, 3))] = table
     assert hc.schedule_table(cuda, (1, 2, 3)) is table
     hc._SCHEDULES.clear()
     assert list(hc._CAPTURED_SCHEDULES.values()) == [table]
+    # the split tail (fwd.split_keys) of a shape without a table: none, the plain walk instead
+    monkeypatch.setattr(hc, "_SPLITS", {})
+    assert hc.split_plan(cuda, (2304, 128, 132, False, 1, True)) is None and not hc._SCHEDULES
     # the forward's launch without a table: one CTA per tile, one Q slot, no schedule
     q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from triflash.kernels.common import PIECE_OVERHEAD, launch_sections, split_schedule, split_table
+from triflash.kernels.common import (PIECE_OVERHEAD, SPLIT_MIN_SAVING, launch_sections, split_schedule,
+                                     split_table)
 
 
 def _check_schedule(T, nb, P, persistent, always):
@@ -58,18 +59,23 @@ def test_split_schedule_covers_every_block_once(T, nb, P, persistent):
 
 
 def test_split_schedule_only_where_it_pays():
-    """Without ``always``: none where the rounds are full, none where a share plus its
-    pieces' fixed costs would cost as much as the whole tile it replaces."""
+    """Without ``always``: none where the rounds are full, none where the shares plus their
+    pieces' fixed costs save less than ``SPLIT_MIN_SAVING`` of the launch's estimate."""
     assert split_schedule(2 * 132, 128, 132, False) is None
     assert split_schedule(2304, 128, 132, False) is not None  # the seed: 17.45 rounds at 256
     assert split_schedule(2048, 64, 132, True) is not None    # 2 x 8192 x 16 heads at 128
-    # 16 x 1024 x 8 heads at 256: 100 tiles of 16 blocks left, shares of 12 blocks
-    assert 1024 * 16 % 132 and split_schedule(1024, 16, 132, False) is None
-    nb = 20
-    for r in range(1, 132):
-        share = r * nb / min(132, r * nb)
-        assert (split_schedule(132 + r, nb, 132, True) is not None) == \
-            (share + 2 * (1 + PIECE_OVERHEAD) < nb + 1)
+    assert split_schedule(1024, 256, 132, False) is not None  # 1 x 16384 x 8 heads at 256
+    # 4 x 4096 and 8 x 2048 (2048 tiles at 128, 1024 at 256; 2.0% or less)
+    for T, nb in ((2048, 32), (2048, 16), (1024, 64), (1024, 32), (1024, 16)):
+        assert split_schedule(T, nb, 132, False) is None
+    assert split_schedule(16, 64, 132, False) is not None     # few tiles, long keys: idle SMs
+    for nb in (4, 20, 100):
+        for F in (0, 1, 5):
+            for r in range(1, 132):
+                whole = (F + 1) * (nb + 1)
+                cut = F * (nb + 1) + r * nb / min(132, r * nb) + 2 * (1 + PIECE_OVERHEAD)
+                assert (split_schedule(F * 132 + r, nb, 132, True) is not None) == \
+                    (whole - cut >= SPLIT_MIN_SAVING * whole)
 
 
 def test_split_table_layout():

@@ -147,6 +147,15 @@ def persistent_schedule(num_bh: int, num_m_blocks: int, section_heads: int, len_
 # ``split_schedule``'s estimate of a piece's own cost in key blocks beyond a tile's: its
 # fp32 partial output written and read back, and its share of the combining launch
 PIECE_OVERHEAD = 2
+# ... and the least saving, as a fraction of the launch's estimated time, for which it cuts
+# tiles at all: the merge's launch and the pieces' walk cost more than that estimate says.
+# In the H200 run of 3afe79e (benchmarks/NOTES.md), where the dispatch cut at any saving,
+# every launch estimated to save 2.5% or more ran faster than in c0c4f9a's run (the seed
+# 685.3 -> 706.6 TFLOPS, 2x8192x8x256 703.7 -> 719.1, 1x16384x8x256 710.4 -> 719.5,
+# 2x8192x16x128 647.9 -> 654.3, 1x16384x16x128 648.7 -> 659.0) and every one estimated
+# at 2.0% or less slower (4x4096 and 8x2048 at 128 and 256: 651.5 -> 633.9, 626.8 -> 611.3,
+# 690.2 -> 682.3, 656.1 -> 628.4)
+SPLIT_MIN_SAVING = 0.0225
 
 
 def split_schedule(num_tiles: int, num_blocks: int, num_ctas: int, persistent: bool,
@@ -158,9 +167,9 @@ def split_schedule(num_tiles: int, num_blocks: int, num_ctas: int, persistent: b
     ``num_ctas`` consecutive shares (at most r * num_blocks of them, one block at least), a
     share cut again where it crosses from one tile into the next. A whole tile then ends the
     launch at the cost of F + 1 tiles; the shares at F tiles and a share (stream-K's
-    remainder split). Worth it when that saves more than the pieces' fixed costs
-    (``overhead`` per tile, ``PIECE_OVERHEAD`` per piece, two pieces per CTA at most);
-    ``always``: whenever a round is part empty (tests).
+    remainder split). Done where that saves at least ``SPLIT_MIN_SAVING`` of the launch's
+    time with the pieces' fixed costs counted (``overhead`` per tile, ``PIECE_OVERHEAD`` per
+    piece, two pieces per CTA at most); ``always``: whenever a round is part empty (tests).
 
     ``persistent``: CTA c walks tiles c, c + num_ctas, ..., then its share; else one CTA per
     whole tile, then one per share. Returns None (not worth it), or (walks, pieces): walks[c]
@@ -172,7 +181,9 @@ def split_schedule(num_tiles: int, num_blocks: int, num_ctas: int, persistent: b
         return None
     total = r * num_blocks
     shares = min(num_ctas, total)
-    if not always and total / shares + 2 * (overhead + PIECE_OVERHEAD) >= num_blocks + overhead:
+    whole = (F + 1) * (num_blocks + overhead)  # a CTA's estimated time, in key blocks
+    cut = F * (num_blocks + overhead) + total / shares + 2 * (overhead + PIECE_OVERHEAD)
+    if not always and whole - cut < SPLIT_MIN_SAVING * whole:
         return None
     if persistent:
         walks = [[(c + i * num_ctas, 0, num_blocks, -1) for i in range(F)] for c in range(num_ctas)]
