@@ -31,6 +31,11 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   free up first, as the hardware does for one CTA per tile); the K/V ring runs on across
   tiles, and with ``Q_SLOTS`` = 2 the Q tiles (each its tile's O staging) alternate, so the
   next tile's Q loads while this one runs.
+* split tail (``split_keys``, ``PIECES``): without a mask, where the last round of tiles
+  would leave SMs idle, the host's table (``common.split_table``) gives each CTA whole
+  tiles, then pieces (key blocks [lo, hi) of a tile): a piece leaves O / l in fp32 and its
+  lse in a workspace slot (``_store_piece``), and ``split_combine_kernel`` merges a
+  tile's pieces after the launch.
 
 Descriptors are rank 4 over (batch, seqlen, heads, dim) with blocks (1, rows, 1, dim), so
 any strides with a contiguous last dim work without copies and TMA zero-fills and clips at
