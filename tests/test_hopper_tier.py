@@ -312,6 +312,27 @@ def test_hopper_fwd_option(option, d, mask, shape, monkeypatch):
                            pt, softcap)
 
 
+@pytest.mark.parametrize("b,sq,sk,h,hk", [(1, 500, 8192, 8, 2), (1, 8192, 3000, 3, 1)], ids=lambda x: str(x))
+@pytest.mark.parametrize("d", [96, 128, 192, 256])
+def test_hopper_fwd_split_keys_dispatched(d, b, sq, sk, h, hk):
+    """The dispatched tiles cut these launches' last round into pieces (``fwd.split_keys``:
+    few tiles over long keys; a part-empty last round of many): the forward and its lse
+    against the fp32 reference."""
+    from triflash.kernels import configs, portable
+    from triflash.kernels.hopper import fwd as H
+    from triflash.kernels.hopper.common import kernel_head_dim
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    q, k, v = (torch.randn(b, n, x, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for n, x in ((sq, h), (sk, hk), (sk, hk)))
+    params = portable.AttnParams(d ** -0.5, -1, -1, 0.0, sq, sk)
+    assert H.split_keys(q, k, params, configs.SM90_HOPPER_FWD[kernel_head_dim(d)]) is not None
+    with triflash.force_backend("hopper"):
+        out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True)
+    ref, lse_ref = attention_ref(q, k, v)
+    pt, _ = attention_ref(q, k, v, upcast=False)
+    assert_forward_matches(out, lse, ref, lse_ref, pt, 0.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,sq,sk,h,hk,softcap", [(2, 777, 1501, 8, 2, 30.0), (1, 2000, 333, 67, 67, 0.0),
                                                    (3, 129, 4096, 12, 1, 0.0)], ids=lambda x: str(x))
