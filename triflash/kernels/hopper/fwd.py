@@ -54,9 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, n_block_range, scores, visible
 from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at,
-                     _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk,
+                     _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, num_sms, persistent_walk,
                      planned_launch, schedule_table, split_plan, to_16bit)
-from .split_combine import combine
+from .split_combine import combine_args, split_combine_kernel
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 
@@ -995,6 +995,8 @@ def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, se
                lse.stride(), q.dtype, q.get_device(), params, cfg)
     planned_launch(hopper_fwd_kernel, key, tensors, build)
     if split is not None and split[3]:  # (tiles of one key block each are never cut)
-        combine(out, lse, ws, wsl, split[0][-3 * split[3]:], q, k, v, params,
-                ROWS_PER_CONSUMER * cfg.num_consumers, launch)
+        table, ncut = split[0], split[3]
+        planned_launch(split_combine_kernel, ("combine",) + key[1:], (ws, wsl, out, lse),
+                       lambda: combine_args(out, lse, ws, wsl, table[table.numel() - 3 * ncut:], q, k, v, params,
+                                            ROWS_PER_CONSUMER * cfg.num_consumers))
     return out, lse

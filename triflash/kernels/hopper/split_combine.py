@@ -10,7 +10,6 @@ O and LSE: with lse = log(sum_i exp(lse_i)), O = sum_i exp(lse_i - lse) O_i.
 Plain Triton (no Hopper instruction): it also runs under the CPU interpreter, where the
 tests merge pieces computed by the reference.
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -57,20 +56,20 @@ def split_combine_kernel(WS, WSL, CUT, O, LSE, stride_ob, stride_om, stride_oh,
              out.to(O.dtype.element_ty), mask=ok[:, None] & (cols[None, :] < HEAD_DIM))
 
 
-def combine(out, lse, ws, wsl, cut, q, k, v, params, block_m, launch=None):
-    """Merge the pieces of the tiles listed in ``cut`` (the (tile, first slot, slots) rows of
-    ``common.split_table``, on the device) into ``out`` (batch, seqlen_q, heads, dim) and
-    ``lse`` (batch, heads, seqlen_q); ``launch``: how to launch (default: the JIT)."""
-    ncut = cut.numel() // 3
+def combine_args(out, lse, ws, wsl, cut, q, k, v, params, block_m):
+    """(grid, args) of ``split_combine_kernel`` merging the pieces of the tiles listed in
+    ``cut`` (the (tile, first slot, slots) rows of ``common.split_table``, on the device) into
+    ``out`` (batch, seqlen_q, heads, dim) and ``lse`` (batch, heads, seqlen_q)."""
     seqlen_q = q.shape[1]
-    num_m_blocks = triton.cdiv(seqlen_q, block_m)
     sections = launch_sections(q.shape[0], q.shape[2], k, v, k.shape[1], params.window_left, params.window_right)
-    dv = ws.numel() // wsl.numel()
     args = [ws, wsl, cut, out, lse, out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2), q.shape[2], seqlen_q, num_m_blocks, sections,
-            block_m, dv, out.shape[-1], COMBINE_ROWS]
-    grid = (ncut * (block_m // COMBINE_ROWS),)
-    if launch is None:
-        split_combine_kernel[grid](*args)
-    else:
-        launch(split_combine_kernel, grid, args)
+            lse.stride(0), lse.stride(1), lse.stride(2), q.shape[2], seqlen_q, triton.cdiv(seqlen_q, block_m),
+            sections, block_m, ws.numel() // wsl.numel(), out.shape[-1], COMBINE_ROWS]
+    return (cut.numel() // 3 * (block_m // COMBINE_ROWS),), args
+
+
+def combine(out, lse, ws, wsl, cut, q, k, v, params, block_m):
+    """``split_combine_kernel`` launched by the JIT (the forward launches it through its
+    plan: ``fwd.fwd``)."""
+    grid, args = combine_args(out, lse, ws, wsl, cut, q, k, v, params, block_m)
+    split_combine_kernel[grid](*args)
