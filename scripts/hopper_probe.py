@@ -48,7 +48,7 @@ QUICK_FWD = [1, 2, 4, 8, 9, 10, 14, 15, 16]
 
 def _apply_overrides(spec):
     """'pingpong=1,persistent=0,stages=3' applied to every SM90_HOPPER_FWD entry; an item
-    'D:key=val' (e.g. '256:block_n=80') to head dim D's tile only."""
+    'D:key=val' (e.g. '256:stages=3') to head dim D's tile only."""
     import dataclasses
     if not spec:
         return

@@ -9,6 +9,7 @@ a subprocess without it (``smoke.compile_sm90_subprocess``). Skipped when Triton
 backend or ptxas is unavailable.
 """
 import pytest
+import torch
 
 from triflash.kernels import sm90_report as R
 
@@ -141,11 +142,6 @@ HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
 # rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
 # rescale; one spill store and load per key block in two of the four loops)
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96}
-# Key blocks that are no power of two (compile_check.FWD_SPLIT_TILES, session 27, not
-# measured yet): 80 keys at 256 (S 64 x 80 and P beside the 64 x 256 fp32 O) spill 704 B
-# plain, 520 B causal; 144 keys at 128 (Q in registers) 780 B plain, 152 B causal (bf16)
-HOPPER_FWD_SPLIT_SPILL_BUDGET = {("plain", 256): 768, ("causal", 256): 576, ("plain", 128): 832,
-                                 ("causal", 128): 192}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -325,8 +321,7 @@ def test_tile_variants_compile_for_sm90a():
     per-thread partial row sums (``sum_partial``), and at 256 the stale running max
     (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
     one Q slot), and at 128 / 256 the walk without the split tail (``split_keys``): each
-    flipped from its dispatched value (``configs.flipped``); and key blocks
-    that are no power of two (``compile_check.FWD_SPLIT_TILES``: 80 keys at 256, 144 at 128)."""
+    flipped from its dispatched value (``configs.flipped``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     from triflash.kernels.hopper import compile_check
@@ -343,8 +338,7 @@ def test_tile_variants_compile_for_sm90a():
         (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
         for d in (128, 256) for f in ("causal", "window-softcap")} | {
         (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
-        for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")} | {
-        (d, f, f"block_n={n}") for d, n in compile_check.FWD_SPLIT_TILES for f in ("plain", "causal")}
+        for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
     for r in rows:
         assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
@@ -359,8 +353,6 @@ def test_tile_variants_compile_for_sm90a():
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
             if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold", "split_keys")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
-            if r.get("option", "").startswith("block_n"):
-                budget = {**budget, **HOPPER_FWD_SPLIT_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
         else:
@@ -368,12 +360,15 @@ def test_tile_variants_compile_for_sm90a():
         _check_row(r, budget.get((r["feature"], r["headdim"]), 0))
 
 
-def test_forward_kv_box_of_a_key_block():
-    """The rows of the forward's K / V TMA boxes (``hopper.fwd.kv_box``): the key block when
-    it is a power of two; for 64 / 128 plus 16 or 32 keys (two wgmmas per product) the
-    smaller part; any other block size is refused with its value named."""
-    from triflash.kernels.hopper.fwd import kv_box
-    assert [kv_box(n) for n in (64, 128, 80, 144, 96, 160)] == [64, 128, 16, 16, 32, 32]
-    for n in (48, 72, 176, 192):
+def test_forward_refuses_a_key_block_that_is_no_power_of_two():
+    """``HopperFwdConfig.block_n`` must be a power of two (Gluon's tiles and TMA boxes; FA3 /
+    FA4's 80-key tile at 256 was built as two wgmmas per product in session 27, ran 7-14%
+    slower and was removed): any other size is refused with its value named."""
+    import dataclasses
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import compile_check, fwd
+    q, k, v, p, cu, used = compile_check._problem(256, "bf16", "plain")
+    for n in (48, 80, 144, 192):
+        cfg = dataclasses.replace(configs.SM90_HOPPER_FWD[256], block_n=n)
         with pytest.raises(ValueError, match=f"block_n={n}"):
-            kv_box(n)
+            fwd.kernel_args(q, k, v, torch.empty_like(q), compile_check._lse(q, cu), p, cfg)

@@ -273,16 +273,12 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 # 256 without a mask since session 21: here at every tile and mask), and flipped from the
 # dispatched value (configs.flipped): ``sum_partial`` (each row's running sum kept as
 # per-thread partials, added across the quad once per tile) and ``rescale_threshold`` at
-# 192 / 256 (a row's stale max kept below a rise of 8); key blocks that are no power of two
-# (``block_n`` 80 at 192 / 256, FA3 / FA4's tile, and 144 at 128).
+# 192 / 256 (a row's stale max kept below a rise of 8); and ``split_keys`` 2.
 FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
     ((o, _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], o)), d)
     for o, dims in (("sum_partial", (64, 128, 192, 256)), ("rescale_threshold", (192, 256))) for d in dims] + [
-    (("block_n", 80), 192), (("block_n", 80), 256), (("block_n", 144), 128)] + [
     (("split_keys", 2), d) for d in (64, 128, 192, 256)]
-# (rescale_threshold applies where O is rescaled late: under masks; block_n 80 / 144: key
-# blocks of 64 + 16 / 128 + 16 keys, two wgmmas per product, tails of every length;
-# split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
+# (rescale_threshold applies where O is rescaled late: under masks; split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
 # merged, hopper.split_combine, at every shape here but 1 x 1 (one key block per tile))
 
 

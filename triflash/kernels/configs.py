@@ -40,9 +40,10 @@ class BwdConfig:
 @dataclass(frozen=True)
 class HopperFwdConfig:
     """Gluon sm90 forward (kernels/hopper/fwd.py): 2 consumer warpgroups x 64 query rows,
-    one TMA loader warp; K/V rings of ``stages`` slots of ``block_n`` keys (a power of two,
-    or 64 / 128 plus 16 or 32: two wgmmas per product, ``hopper.fwd._issue_s``; measured:
-    none yet, 80 at 256 is FA3 / FA4's tile)."""
+    one TMA loader warp; K/V rings of ``stages`` slots of ``block_n`` keys (a power of two:
+    Gluon's tiles and TMA boxes. FA3 / FA4's 80-key tile at 256, built as 64 + 16 keys with
+    two wgmmas per product in session 27, ran 7-14% slower and 144 at 128 11% slower,
+    probes/probe-rounds-blockn-afe7177.json: removed in session 28)."""
     block_n: int
     stages: int
     num_consumers: int = 2

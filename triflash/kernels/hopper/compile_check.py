@@ -320,12 +320,6 @@ def all_variants():
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),
                              packed_cvt=c.packed_cvt, option=",".join(f"{k}={v}" for k, v in option.items())))
-    # key blocks that are no power of two (two wgmmas per product: hopper.fwd._issue_s)
-    for d, block_n in FWD_SPLIT_TILES:
-        c = configs.SM90_HOPPER_FWD[d]
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, block_n=block_n)),
-                             packed_cvt=c.packed_cvt, option=f"block_n={block_n}"))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
                          packed_cvt=b256.packed_cvt, timeline=True))
@@ -350,11 +344,6 @@ PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
 FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial", "named_turns"))) + (
     (256, "rescale_threshold"), (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys"))
-
-
-# (head dim, block_n) of the forward's split key blocks compiled in the variants part: FA3 /
-# FA4's 80 keys at 256 (64 + 16), 144 at 128 (128 + 16)
-FWD_SPLIT_TILES = ((256, 80), (128, 144))
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:

@@ -11,10 +11,6 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   into log2 e), ``O += P V`` with P kept in registers as the wgmma A operand. The QK^T of
   block j is issued before the PV of block j-1, so the softmax of block j overlaps the PV
   wgmma of block j-1 (FA3's intra-warpgroup overlap).
-* a key block of ``BLOCK_N`` keys that is no power of two (80 at head dim 256, FA3 / FA4's
-  tile: 64 + 16) is two wgmmas per product, K / V in two rings of 64- and 16-row tiles
-  loaded by boxes of 16 rows x 64 columns, S and P as pairs (``_issue_s``, ``_slot``): Gluon's tiles, boxes
-  and register tensors are powers of two.
 * key blocks are visited from the last to the first, so the masked blocks (causal diagonal,
   sequence tail) come first, then the unmasked middle, then the left sliding-window edge;
   ``common.n_block_range`` decides which is which, as in the portable kernels. With
@@ -71,13 +67,6 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                 SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
-    SPLIT: gl.constexpr = k_desc.block_type.shape[1] != BLOCK_N  # (boxes of a split block: kv_box)
-    D: gl.constexpr = q_desc.block_type.shape[3]
-    # bytes of one K / V block: one box, or (split key blocks, _load_kv) several
-    K_BYTES: gl.constexpr = (k_desc.block_type.nbytes * (BLOCK_N // k_desc.block_type.shape[1])
-                             * (D // k_desc.block_type.shape[3]))
-    V_BYTES: gl.constexpr = (v_desc.block_type.nbytes * (BLOCK_N // v_desc.block_type.shape[1])
-                             * (D // v_desc.block_type.shape[3]))
     kv_base = 0
     local = 0
     first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
@@ -107,13 +96,13 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
             stage = g % STAGES
             phase = (g // STAGES) & 1
             mbarrier.wait(k_free.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), K_BYTES)
-            _load_kv(k_desc, k_ring, stage, k_ready.index(stage), [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                     SPLIT)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+                                            k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
             mbarrier.wait(v_free.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), V_BYTES)
-            _load_kv(v_desc, v_ring, stage, v_ready.index(stage), [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                     SPLIT)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+                                            v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
         kv_base += count
         local += 1
 
@@ -160,40 +149,6 @@ def _store_piece(out, lse, WS, WSL, piece, row_off, BMT: gl.constexpr, o_layout:
     cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     gl.store(WS + gl.expand_dims(o_rows * DV, 1) + gl.expand_dims(cols, 0), out)
     gl.store(WSL + base + gl.arange(0, BM, layout=row_layout), lse)
-
-
-@gluon.jit
-def _slot(ring, stage, SPLIT: gl.constexpr):
-    """Slot ``stage`` of a K / V ring: a [BLOCK_N, D] tile, or under ``SPLIT`` (a key block
-    that is no power of two, ``_issue_s``) the pair of its first 64 rows and the rest, two
-    rings (Gluon's shared tiles are powers of two)."""
-    if SPLIT:
-        return ring[0].index(stage), ring[1].index(stage)
-    else:
-        return ring.index(stage)
-
-
-@gluon.jit
-def _load_kv(desc, ring, stage, bar, coord, SPLIT: gl.constexpr):
-    """TMA loads of one K / V block into slot ``stage`` of its ring (``_slot``), completing
-    ``bar`` (expecting the block's bytes): one box, or under ``SPLIT`` boxes of ``kv_box``
-    rows x 64 columns (one 128-byte swizzle atom wide: Triton places a box wider than that
-    as a tile of its own, not inside a row slice of a taller one) into the pair's tiles."""
-    if SPLIT:
-        slot = _slot(ring, stage, SPLIT)
-        BOX: gl.constexpr = desc.block_type.shape[1]
-        W: gl.constexpr = desc.block_type.shape[3]
-        A: gl.constexpr = slot[0].shape[0]
-        B: gl.constexpr = slot[1].shape[0]
-        for c in gl.static_range(slot[0].shape[1] // W):
-            for j in gl.static_range(A // BOX):
-                tma.async_copy_global_to_shared(desc, [coord[0], coord[1] + j * BOX, coord[2], c * W], bar,
-                                                _tma_view(slot[0].slice(j * BOX, BOX).slice(c * W, W, 1), desc))
-            for j in gl.static_range(B // BOX):
-                tma.async_copy_global_to_shared(desc, [coord[0], coord[1] + A + j * BOX, coord[2], c * W], bar,
-                                                _tma_view(slot[1].slice(j * BOX, BOX).slice(c * W, W, 1), desc))
-    else:
-        tma.async_copy_global_to_shared(desc, coord, bar, _tma_view(ring.index(stage), desc))
 
 
 @gluon.jit
@@ -278,148 +233,42 @@ def _row_max(s, TREE: gl.constexpr):
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, THRESHOLD: gl.constexpr = 0.0,
-                    TREE_MAX: gl.constexpr = False, SUM_PARTIAL: gl.constexpr = False,
-                    SPLIT: gl.constexpr = False):
+                    TREE_MAX: gl.constexpr = False, SUM_PARTIAL: gl.constexpr = False):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
     each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
     ``THRESHOLD`` > 0 (``HopperFwdConfig.rescale_threshold``): a row keeps its running max
     unless the block raises it by more than that (log2 units; its p are then at most
     2^THRESHOLD, as exact in fp32 and 16 bits as below 1), so its alpha is exactly 1 and
-    ``_rescale`` can skip O; a row that has seen nothing (O and l are 0) gets alpha 1 too.
-    ``SPLIT`` (a key block of two wgmmas, ``_issue_s``): ``s``, ``cols`` and ``p`` are
-    (first 64 keys, the rest) pairs; m, l and alpha keep the first part's row layout."""
-    if SPLIT:
-        s_a, s_b = s
-        s_a = _masked_scores(s_a, rows, cols[0], len_q, len_k, qk_scale, softcap_log2, window_left,
-                             window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-        s_b = _masked_scores(s_b, rows, cols[1], len_q, len_k, qk_scale, softcap_log2, window_left,
-                             window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-        s_max = gl.maximum(_row_max(s_a, TREE_MAX), gl.convert_layout(_row_max(s_b, TREE_MAX), m_i.type.layout))
-    else:
-        s = _masked_scores(s, rows, cols, len_q, len_k, qk_scale, softcap_log2, window_left, window_right,
-                           MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-        s_max = _row_max(s, TREE_MAX)
+    ``_rescale`` can skip O; a row that has seen nothing (O and l are 0) gets alpha 1 too."""
     if SOFTCAP:
-        m_new = gl.maximum(m_i, s_max)
+        s = scores(s, qk_scale, softcap_log2, SOFTCAP)  # already log2-scaled
+    if MASK:
+        s = gl.where(visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), len_q, len_k,
+                             window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    if SOFTCAP:
+        m_new = gl.maximum(m_i, _row_max(s, TREE_MAX))
     else:
-        m_new = gl.maximum(m_i, s_max * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(s, TREE_MAX) * qk_scale)
     if THRESHOLD > 0:
         m_new = gl.where(m_new - m_i > THRESHOLD, m_new, m_i)  # (-inf - -inf is NaN: kept)
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
     else:
         m_use = m_new
-    if SPLIT:
-        p_a = _probs(s_a, m_use, qk_scale, SOFTCAP)
-        p_b = _probs(s_b, gl.convert_layout(m_use, gl.SliceLayout(1, s_b.type.layout)), qk_scale, SOFTCAP)
-        p = (p_a, p_b)
+    if SOFTCAP:
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
     else:
-        p = _probs(s, m_use, qk_scale, SOFTCAP)
-        p_a = p
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     if THRESHOLD > 0 and MASK:
         alpha = gl.where(m_i == float("-inf"), 1.0, alpha)
     if SUM_PARTIAL:  # l_i: [BM, 8] per-thread partial sums (``_l_init``)
-        part = _partial_sums(p_a)
-        if SPLIT:
-            part = part + gl.convert_layout(_partial_sums(p_b), part.type.layout)
+        part = _partial_sums(p)
         l_new = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)), 1) + part
     else:
-        if SPLIT:
-            l_new = l_i * alpha + (gl.sum(p_a, 1) + gl.convert_layout(gl.sum(p_b, 1), alpha.type.layout))
-        else:
-            l_new = l_i * alpha + gl.sum(p, 1)
+        l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
-
-
-@gluon.jit
-def _masked_scores(s, rows, cols, len_q, len_k, qk_scale, softcap_log2, window_left, window_right,
-                   MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
-    """Raw scores with the softcap applied (then already log2-scaled) and -inf where the
-    mask hides a key (``rows`` in any layout of the tile's rows)."""
-    if SOFTCAP:
-        s = scores(s, qk_scale, softcap_log2, SOFTCAP)
-    if MASK:
-        rows = gl.convert_layout(rows, gl.SliceLayout(1, s.type.layout))
-        s = gl.where(visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), len_q, len_k,
-                             window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-    return s
-
-
-@gluon.jit
-def _probs(s, m_use, qk_scale, SOFTCAP: gl.constexpr):
-    """p = 2^(scaled score - the row's max): one FFMA and one exponential per score."""
-    if SOFTCAP:
-        return gl.exp2(s - gl.expand_dims(m_use, 1))
-    else:
-        return gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-
-
-# Key blocks of ``BLOCK_N`` keys that are not a power of two (80 at head dim 256, FA3 / FA4's
-# tile; Gluon's register tensors are powers of two): ``SPLIT``, two wgmmas per product, the
-# block's first 64 / 128 keys and the other 16 / 32 (BN_A + BN_B in the kernel and the
-# consumers; the host's ``kv_box`` refuses other sizes, and the kernel asserts that its K / V
-# boxes agree), K / V slots (``_slot``), S, P and the key columns as pairs; the sizes come
-# from the slots. A power of two: one wgmma, plain tensors.
-@gluon.jit
-def _issue_s(q_a, k_slot, SPLIT: gl.constexpr):
-    """S = Q K^T of one key block issued asynchronously (its token, or a pair)."""
-    BM: gl.constexpr = q_a.shape[0]
-    if SPLIT:
-        BN_A: gl.constexpr = k_slot[0].shape[0]
-        BN_B: gl.constexpr = k_slot[1].shape[0]
-        s_a = warpgroup_mma(q_a, k_slot[0].permute((1, 0)),
-                            gl.zeros([BM, BN_A], gl.float32, _acc_layout(BN_A, q_a.dtype)),
-                            use_acc=False, is_async=True)
-        s_b = warpgroup_mma(q_a, k_slot[1].permute((1, 0)),
-                            gl.zeros([BM, BN_B], gl.float32, _acc_layout(BN_B, q_a.dtype)),
-                            use_acc=False, is_async=True)
-        return s_a, s_b
-    else:
-        BLOCK_N: gl.constexpr = k_slot.shape[0]
-        return warpgroup_mma(q_a, k_slot.permute((1, 0)),
-                             gl.zeros([BM, BLOCK_N], gl.float32, _acc_layout(BLOCK_N, q_a.dtype)),
-                             use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _wait_s(s_tok, SPLIT: gl.constexpr, PV_PENDING: gl.constexpr):
-    """S of ``_issue_s`` once its wgmmas retired; with ``PV_PENDING`` the P V issued after
-    it (``_issue_pv``, as many wgmma groups) stays in flight."""
-    if SPLIT:
-        return warpgroup_mma_wait(2 * PV_PENDING, deps=s_tok)
-    else:
-        return warpgroup_mma_wait(PV_PENDING, deps=(s_tok,))
-
-
-@gluon.jit
-def _issue_pv(p, v_slot, o_acc, SPLIT: gl.constexpr):
-    """O += P V of one key block issued asynchronously (P: 16-bit registers, or a pair)."""
-    if SPLIT:
-        o_tok = warpgroup_mma(p[0], v_slot[0], o_acc, is_async=True)
-        return warpgroup_mma(p[1], v_slot[1], o_tok, is_async=True)
-    else:
-        return warpgroup_mma(p, v_slot, o_acc, is_async=True)
-
-
-@gluon.jit
-def _p_operand(p, dtype: gl.constexpr, PACKED_CVT: gl.constexpr, p_layout: gl.constexpr, SPLIT: gl.constexpr):
-    """P in 16 bits as the A operand of P V (``to_16bit``), or the pair."""
-    if SPLIT:
-        return (gl.convert_layout(to_16bit(p[0], dtype, PACKED_CVT), p_layout),
-                gl.convert_layout(to_16bit(p[1], dtype, PACKED_CVT), p_layout))
-    else:
-        return gl.convert_layout(to_16bit(p, dtype, PACKED_CVT), p_layout)
-
-
-@gluon.jit
-def _key_cols(base, cols0, SPLIT: gl.constexpr):
-    """The key columns of a block starting at ``base`` (a pair under ``SPLIT``)."""
-    if SPLIT:
-        return (base + cols0[0], base + cols0[1])
-    else:
-        return base + cols0
 
 
 @gluon.jit
@@ -535,7 +384,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
               THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False, SPLIT: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
@@ -543,32 +392,34 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
     order at head dims above 128), instead of after that wgmma retires. The block's alpha
     is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
-    DV: gl.constexpr = o_acc.shape[1]
+    BM: gl.constexpr = q_buf.shape[0]
+    DV: gl.constexpr = v_ring.shape[2]
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
     o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                 k_width=32 // q_buf.dtype.primitive_bitwidth)
     stage = g % STAGES
     prev = (g - 1) % STAGES
     _take_turn(turns, turn, CID, PINGPONG)
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
-    s_tok = _issue_s(q_buf, _slot(k_ring, stage, SPLIT), SPLIT)
+    s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
+                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
     if RESCALE_EARLY:
         o_acc = _rescale(o_acc, alpha_prev, o_layout, THRESHOLD > 0)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    o_tok = _issue_pv(p_prev, _slot(v_ring, prev, SPLIT), o_acc, SPLIT)
+    o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
     _pass_turn(turns, CID, PINGPONG)
-    s = _wait_s(s_tok, SPLIT, 1)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_free.index(stage))
-    cols = _key_cols((n_max - 1 - it) * BLOCK_N, cols0, SPLIT)
+    cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
                                          MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
-                                         SUM_PARTIAL, SPLIT)
+                                         SUM_PARTIAL)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
         o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
-    p_prev = _p_operand(p, q_buf.dtype, PACKED_CVT, p_layout, SPLIT)
+    p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
     return o_acc, m_i, l_i, p_prev, alpha
 
 
@@ -586,21 +437,13 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
                   TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
-    DV: gl.constexpr = o_desc.block_type.shape[3]
+    DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
-    # a key block of two wgmmas where BLOCK_N is no power of two (``_issue_s``): BN_A + BN_B
-    BN_B: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64)
-    BN_A: gl.constexpr = BLOCK_N - BN_B
-    SPLIT: gl.constexpr = BN_B > 0
-    s_layout: gl.constexpr = _acc_layout(BN_A, q_bufs.dtype)
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_bufs.dtype)
     o_layout: gl.constexpr = _acc_layout(DV, q_bufs.dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    if SPLIT:
-        cols0 = (gl.arange(0, BN_A, layout=gl.SliceLayout(0, s_layout)),
-                 BN_A + gl.arange(0, BN_B, layout=gl.SliceLayout(0, _acc_layout(BN_B, q_bufs.dtype))))
-    else:
-        cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
     _first_turn(CID, PINGPONG)
     kv_base = 0
@@ -619,7 +462,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         row_start = row0 + CID * BM
         rows = row_start + gl.arange(0, BM, layout=row_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
-        l_i = _l_init(BM, BN_A, s_layout, SUM_PARTIAL)
+        l_i = _l_init(BM, BLOCK_N, s_layout, SUM_PARTIAL)
         o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
         slot, use = _q_slot(local, Q_SLOTS)
         q_buf = q_bufs.index(slot * NUM_CONSUMERS + CID)
@@ -649,17 +492,18 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             stage = g0 % STAGES
             _take_turn(turns, turn + lead, CID, PINGPONG)
             mbarrier.wait(k_ready.index(stage), (g0 // STAGES) & 1)
-            s_tok = _issue_s(q_a, _slot(k_ring, stage, SPLIT), SPLIT)
+            s_tok = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
+                                  gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
+                                  use_acc=False, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
-            s = _wait_s(s_tok, SPLIT, 0)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_free.index(stage))
-            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows,
-                                                 _key_cols((n_max - 1 - lead) * BLOCK_N, cols0, SPLIT),
+            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
                                                  True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
-                                                 SUM_PARTIAL, SPLIT)
-            p_prev = _p_operand(p, q_buf.dtype, PACKED_CVT, p_layout, SPLIT)
+                                                 SUM_PARTIAL)
+            p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
             # own rows; unrolled: MASK is a compile-time constant per segment).
             r1 = gl.maximum(n_max - c_full_max, lead + 1)
@@ -675,7 +519,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SPLIT)
+                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
@@ -683,7 +527,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             last = g_last % STAGES
             _take_turn(turns, turn + end, CID, PINGPONG)
             mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
-            o_tok = _issue_pv(p_prev, _slot(v_ring, last, SPLIT), o_acc, SPLIT)
+            o_tok = warpgroup_mma(p_prev, v_ring.index(last), o_acc, is_async=True)
             _pass_turn(turns, CID, PINGPONG)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(v_free.index(last))
@@ -751,32 +595,18 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       PIECES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
-    DV: gl.constexpr = o_desc.block_type.shape[3]  # (v_desc: 64-column boxes for split key blocks)
+    DV: gl.constexpr = v_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(BM == 64, "one warpgroup owns 64 query rows")
     gl.static_assert(HEAD_DIM <= D, "the tensors' head dim (columns past it are padding)")
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "two or three consumer warpgroups")
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
     q_bufs = gl.allocate_shared_memory(dtype, [Q_SLOTS * NUM_CONSUMERS, BM, D], q_layout)
-    # K / V rings (``_slot``): a key block of BLOCK_N = BN_A + BN_B keys (BN_B > 0: no power
-    # of two) in two rings of BN_A- and BN_B-row tiles
-    BN_B: gl.constexpr = (BLOCK_N % 64) * (BLOCK_N > 64)
-    BN_A: gl.constexpr = BLOCK_N - BN_B
-    gl.static_assert((BN_B > 0) == (k_desc.block_type.shape[1] != BLOCK_N),
-                     "a split key block comes with K / V boxes of its smaller part (kv_box)")
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN_A, D], dtype)
-    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN_A, DV], dtype)
-    if BN_B > 0:
-        k_ring = (gl.allocate_shared_memory(dtype, [STAGES, BN_A, D], k_layout),
-                  gl.allocate_shared_memory(dtype, [STAGES, BN_B, D],
-                                            gl.NVMMASharedLayout.get_default_for([BN_B, D], dtype)))
-        v_ring = (gl.allocate_shared_memory(dtype, [STAGES, BN_A, DV], v_layout),
-                  gl.allocate_shared_memory(dtype, [STAGES, BN_B, DV],
-                                            gl.NVMMASharedLayout.get_default_for([BN_B, DV], dtype)))
-    else:
-        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_layout)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -904,9 +734,9 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     # "grid": one CTA per tile; else one CTA per SM walking tiles (_tile_walk)
     grid = (num_tiles if how == "grid" else split[1] if how == "pieces" else min(num_tiles, num_sms),)
     qk_scale, softcap_log2 = params.score_constants()
-    box = kv_box(cfg.block_n)  # (split blocks: 64-column boxes, _load_kv)
-    box_cols = d if box == cfg.block_n else 64
-    args = [descriptor(q4, bm, d), descriptor(k4, box, box_cols), descriptor(v4, box, box_cols),
+    if cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"HopperFwdConfig.block_n={cfg.block_n}: a power of two (Gluon's tiles and TMA boxes)")
+    args = [descriptor(q4, bm, d), descriptor(k4, cfg.block_n, d), descriptor(v4, cfg.block_n, d),
             descriptor(o4, bm, d), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_tiles, num_m_blocks,
             sections, *pb.seq_args, sched, q if ws is None else ws, q if wsl is None else wsl,
@@ -924,18 +754,6 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
 def turns_kind(cfg) -> int:
     """``PINGPONG``: 0 no turns, 1 turns on mbarriers, 2 on named barriers (``named_turns``)."""
     return (2 if cfg.named_turns else 1) if cfg.pingpong else 0
-
-
-def kv_box(block_n: int) -> int:
-    """Rows of the K / V TMA boxes: the key block, or for one that is no power of two (80:
-    64 + 16, ``_issue_s``) its largest power-of-two divisor, ``block_n // box`` boxes per
-    block (TMA boxes and Gluon's tiles are powers of two)."""
-    part_b = block_n % 64 if block_n > 64 else 0
-    part_a = block_n - part_b
-    if part_a & (part_a - 1) or (part_b and (part_b & (part_b - 1) or part_b < 16)):
-        raise ValueError(f"HopperFwdConfig.block_n={block_n}: a power of two, or 64 / 128 plus "
-                         "16 or 32 (two wgmmas per product)")
-    return block_n & -block_n
 
 
 def rescale_early(cfg, params) -> bool:
