@@ -50,8 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, n_block_range, scores, visible
 from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at,
-                     _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, num_sms, persistent_walk,
-                     planned_launch, schedule_table, split_plan, to_16bit)
+                     _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, launch, num_sms,
+                     persistent_walk, planned_launch, schedule_table, split_plan, to_16bit)
 from .split_combine import combine_args, split_combine_kernel
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
@@ -813,8 +813,9 @@ def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, se
                lse.stride(), q.dtype, q.get_device(), params, cfg)
     planned_launch(hopper_fwd_kernel, key, tensors, build)
     if split is not None and split[3]:  # (tiles of one key block each are never cut)
+        # (its arguments built on every call, ~0.05 ms of host time: a plan, as above, is the
+        # next step, not yet run on the GPU)
         table, ncut = split[0], split[3]
-        planned_launch(split_combine_kernel, ("combine",) + key[1:], (ws, wsl, out, lse),
-                       lambda: combine_args(out, lse, ws, wsl, table[table.numel() - 3 * ncut:], q, k, v, params,
-                                            ROWS_PER_CONSUMER * cfg.num_consumers))
+        launch(split_combine_kernel, *combine_args(out, lse, ws, wsl, table[table.numel() - 3 * ncut:], q, k, v,
+                                                   params, ROWS_PER_CONSUMER * cfg.num_consumers))
     return out, lse

@@ -69,7 +69,7 @@ def combine_args(out, lse, ws, wsl, cut, q, k, v, params, block_m):
 
 
 def combine(out, lse, ws, wsl, cut, q, k, v, params, block_m):
-    """``split_combine_kernel`` launched by the JIT (the forward launches it through its
-    plan: ``fwd.fwd``)."""
+    """``split_combine_kernel`` launched by the JIT (the forward launches the same arguments
+    through ``common.launch``: ``fwd.fwd``)."""
     grid, args = combine_args(out, lse, ws, wsl, cut, q, k, v, params, block_m)
     split_combine_kernel[grid](*args)
