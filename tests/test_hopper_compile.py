@@ -320,8 +320,9 @@ def test_tile_variants_compile_for_sm90a():
     turns on mbarriers instead of named barriers (``named_turns``) and with
     per-thread partial row sums (``sum_partial``), and at 256 the stale running max
     (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
-    one Q slot), and at 128 / 256 the walk without the split tail (``split_keys``): each
-    flipped from its dispatched value (``configs.flipped``)."""
+    one Q slot), at 128 / 256 the walk without the split tail (``split_keys``), and O's
+    rescale decided per warp (``warp_skip``): each flipped from its dispatched value
+    (``configs.flipped``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     from triflash.kernels.hopper import compile_check

@@ -130,6 +130,14 @@ class HopperFwdConfig:
     # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. Dispatched at 256 (session 26;
     # tried at dea81e9 and 025f171 before, benchmarks/NOTES.md).
     rescale_threshold: float = 0.0
+    # ``_rescale``'s decision per warp instead of per warpgroup: each warp holds 16 of the
+    # warpgroup's 64 rows of O, so a ``vote.any`` over its rows' alpha != 1 and a uniform
+    # branch around its own multiplies (inline PTX, ``hopper.fwd._rescale_warp``) skip O
+    # with no cross-warp reduction (the warpgroup-wide min: two BAR.SYNC per key block). It
+    # applies with the early rescale too, and with the exact running max (threshold 0) O
+    # is skipped where no row of the warp raised its max (alpha = exp2(0) = 1): the same
+    # bits as the unconditional multiply.
+    warp_skip: bool = False
     # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
     # one FMNMX chain through all of the thread's 32 (128 keys) or 16 columns of the row,

@@ -313,7 +313,7 @@ def all_variants():
     # robin over three), the turns on named barriers (named_turns), per-thread partial row
     # sums (sum_partial), and at 256 the stale
     # running max (rescale_threshold) and the persistent walk of unmasked tiles with one Q
-    # slot (persistent_unmasked)
+    # slot (persistent_unmasked); O's rescale decided per warp (warp_skip)
     for d, name in FWD_FLIPPED:
         c = configs.SM90_HOPPER_FWD[d]
         option = {name: configs.flipped(c, name)}
@@ -343,7 +343,8 @@ def code_of(ptx: str) -> str:
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
 FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial", "named_turns"))) + (
-    (256, "rescale_threshold"), (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys"))
+    (256, "rescale_threshold"), (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys")) + tuple(
+    (d, "warp_skip") for d in (64, 128, 256))
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:

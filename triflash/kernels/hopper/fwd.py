@@ -271,11 +271,41 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
     return p, alpha, m_new, l_new
 
 
+def _warp_skip_ptx(n):
+    """(asm, constraints) of ``_rescale``'s per-warp multiply over a thread's ``n`` values of
+    O ($0..$n-1, tied to inputs $n..$2n-1) by their rows' alpha ($2n..$3n-1). In the wgmma
+    accumulator layout a thread's registers 0 and 2 are its two rows (r and r + 8; register
+    bit 1 is row + 8, the others columns), so two compares, one ``vote.any`` over the warp's
+    16 rows and a uniform branch skip the multiplies where every alpha of the warp is 1."""
+    mul = "\n".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n))
+    asm = ("{\n.reg .pred skp_a, skp_w;\n"
+           f"setp.neu.f32 skp_a, ${2 * n}, 0f3F800000;\n"
+           f"setp.neu.or.f32 skp_a, ${2 * n + 2}, 0f3F800000, skp_a;\n"
+           "vote.sync.any.pred skp_w, skp_a, 0xffffffff;\n"
+           "@!skp_w bra.uni SKIP_O;\n" + mul + "\nSKIP_O:\n}")
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n)
+    return asm, constraints
+
+
+# [DV // 128]: the PTX and its constraints for a thread's DV / 2 values of O (DV = 64, 128, 256)
+_WARP_SKIP_ASM = gl.constexpr(tuple(_warp_skip_ptx(dv // 2)[0] for dv in (64, 128, 256)))
+_WARP_SKIP_CONSTRAINTS = gl.constexpr(tuple(_warp_skip_ptx(dv // 2)[1] for dv in (64, 128, 256)))
+
+
 @gluon.jit
-def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP_ONES: gl.constexpr):
-    """O scaled by the rows' alpha; with ``SKIP_ONES`` (``rescale_threshold``) not at all
-    where every alpha of the warpgroup's 64 rows is 1."""
-    if SKIP_ONES:
+def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP: gl.constexpr):
+    """O scaled by the rows' alpha. ``SKIP`` 0: always; 1 (``rescale_threshold``): not at all
+    where every alpha of the warpgroup's 64 rows is 1 (a warpgroup-wide min); 2
+    (``warp_skip``): each warp skips its own 16 rows where their alpha are all 1 (inline PTX,
+    ``_warp_skip_ptx``). Skipping multiplies by exactly 1: the same bits either way."""
+    if SKIP == 2:
+        DV: gl.constexpr = o_acc.shape[1]
+        gl.static_assert(o_acc.shape[0] == 64 and (DV == 64 or DV == 128 or DV == 256),
+                         "one warpgroup's 64 rows of O, 64 / 128 / 256 columns")
+        a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        o_acc = gl.inline_asm_elementwise(_WARP_SKIP_ASM[DV // 128], _WARP_SKIP_CONSTRAINTS[DV // 128],
+                                          [o_acc, a], dtype=gl.float32, is_pure=False, pack=DV // 2)
+    elif SKIP == 1:
         if gl.min(alpha, 0) < 1.0:
             o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     else:
@@ -384,7 +414,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
               THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False):
+              SUM_PARTIAL: gl.constexpr = False, SKIP: gl.constexpr = 0):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
@@ -404,7 +434,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     if RESCALE_EARLY:
-        o_acc = _rescale(o_acc, alpha_prev, o_layout, THRESHOLD > 0)
+        o_acc = _rescale(o_acc, alpha_prev, o_layout, SKIP)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
     _pass_turn(turns, CID, PINGPONG)
@@ -418,7 +448,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
-        o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
+        o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
     p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
     return o_acc, m_i, l_i, p_prev, alpha
 
@@ -435,7 +465,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
-                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr):
+                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr,
+                  SKIP: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -519,10 +550,10 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL)
+                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SKIP)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
-                o_acc = _rescale(o_acc, alpha, o_layout, THRESHOLD > 0)
+                o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
             g_last = kv_base + end - 1
             last = g_last % STAGES
             _take_turn(turns, turn + end, CID, PINGPONG)
@@ -592,7 +623,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                       OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
                       THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr,
-                      PIECES: gl.constexpr):
+                      PIECES: gl.constexpr, SKIP: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -640,7 +671,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -649,7 +680,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -658,7 +689,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -676,7 +707,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -685,7 +716,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -746,8 +777,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             turns_kind(cfg), cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
-            0.0 if rescale_early(cfg, params) else float(cfg.rescale_threshold), cfg.tree_max,
-            cfg.sum_partial, how == "pieces"]
+            threshold(cfg, params), cfg.tree_max, cfg.sum_partial, how == "pieces", rescale_skip(cfg, params)]
     return grid, args
 
 
@@ -762,6 +792,19 @@ def rescale_early(cfg, params) -> bool:
     mask and no softcap."""
     plain = params.window_left < 0 and params.window_right < 0 and params.softcap == 0.0
     return cfg.rescale_early or (cfg.rescale_early_unmasked and plain)
+
+
+def threshold(cfg, params) -> float:
+    """``THRESHOLD``: ``rescale_threshold`` where O is rescaled late or per warp
+    (``warp_skip``); with the early rescale the warpgroup-wide test costs more than it
+    saves (configs.HopperFwdConfig.rescale_threshold), so 0 there."""
+    return float(cfg.rescale_threshold) if cfg.warp_skip or not rescale_early(cfg, params) else 0.0
+
+
+def rescale_skip(cfg, params) -> int:
+    """``SKIP`` of ``_rescale``: 2 per warp (``warp_skip``), 1 per warpgroup where a
+    threshold applies, else 0 (every block multiplies O)."""
+    return 2 if cfg.warp_skip else int(threshold(cfg, params) > 0)
 
 
 def walk(cfg, params, pb, num_tiles) -> str:
