@@ -309,7 +309,9 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
     ((o, _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], o)), d)
     for o, dims in (("sum_partial", (64, 128, 192, 256)), ("rescale_threshold", (192, 256))) for d in dims] + [
-    (("split_keys", 2), d) for d in (64, 128, 192, 256)] + [(("warp_skip", True), d) for d in (64, 128, 192, 256)]
+    (("split_keys", 2), d) for d in (64, 128, 192, 256)] + [
+    (("warp_skip", _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], "warp_skip")), d)
+    for d in (64, 128, 192, 256)]
 # (rescale_threshold applies where O is rescaled late: under masks; split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
 # merged, hopper.split_combine, at every shape here but 1 x 1 (one key block per tile))
 

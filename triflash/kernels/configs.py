@@ -418,16 +418,19 @@ SM90_HOPPER_FWD = {
     # since session 28 the split tail at 128 / 256 (split_keys, probes/probe-rounds-split_keys-404193d.json:
     # 2x8192x16x128 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
     # 624.3 / 625.7 TFLOPS in five rounds; at 64, 2x8192x32 517.6 -> 513.2: not there)
+    # since session 29 O's rescale decided per warp (warp_skip) with the threshold 8.0 at every
+    # head dim (probes/probe-rounds-0919854.json: 2x8192x32x64 517.9 -> 534.2, 2x8192x16x128
+    # 646.9 -> 654.1 / 615.8 -> 623.7, seed 694.9 -> 721.2 / 674.1 -> 676.1 in five rounds)
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
                         rescale_early=True, pingpong=True, named_turns=True, tree_max=True,
-                        sum_partial=True),
+                        sum_partial=True, rescale_threshold=8.0, warp_skip=True),
     128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, named_turns=True, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
-                         sum_partial=True, split_keys=1),
+                         sum_partial=True, split_keys=1, rescale_threshold=8.0, warp_skip=True),
     256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, named_turns=True, persistent_masked=True,
                          rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True,
-                         split_keys=1),
+                         split_keys=1, warp_skip=True),
 }
 
 
