@@ -122,8 +122,9 @@ class HopperFwdConfig:
     # needs it (``hopper.fwd._rescale``; FA4's 8.0 on Blackwell). After the first blocks a
     # row's max rarely rises by 8, so most blocks skip the 64 x D multiply (128 FMULs per
     # thread at 256).
-    # Only where O is rescaled after P V retires (not ``rescale_early``): the test and the
-    # warpgroup-wide min between S's issue and P V's cost more than they save there.
+    # Only where O is rescaled after P V retires (not ``rescale_early``), unless decided per
+    # warp (``warp_skip``): the warpgroup-wide min between S's issue and P V's costs more
+    # than it saves there.
     # Measured (session 24, five interleaved rounds beside cuDNN, probes/probe-rounds-
     # 6393090.json, TFLOPS off -> 8.0): seed causal (late rescale) 651.8 -> 670.1, every
     # round above; with the early rescale seed non-causal 679.8 -> 639.5, 128 640.0 -> 640.6
@@ -136,7 +137,11 @@ class HopperFwdConfig:
     # with no cross-warp reduction (the warpgroup-wide min: two BAR.SYNC per key block). It
     # applies with the early rescale too, and with the exact running max (threshold 0) O
     # is skipped where no row of the warp raised its max (alpha = exp2(0) = 1): the same
-    # bits as the unconditional multiply.
+    # bits as the unconditional multiply. Measured (session 29, five interleaved rounds,
+    # probes/probe-rounds-0919854.json, TFLOPS non-causal / causal, dispatched -> on -> on
+    # with the threshold 8.0): 64 517.9 -> 521.4 -> 534.2 / 494.3 -> 494.9 -> 496.5, 128
+    # 646.9 -> 637.0 -> 654.1 / 615.8 -> 600.8 -> 623.7, seed (threshold 8.0 already) 694.9 ->
+    # 722.0 / 674.1 -> 685.4. Dispatched with 8.0 at 64 / 128 / 256 (session 29).
     warp_skip: bool = False
     # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
