@@ -135,13 +135,16 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # without a mask since session 21: 256 spills nothing there), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
-HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256}
+# At 256 under the causal mask (not dispatched there: O is rescaled late under masks) with
+# the threshold decided per warp (warp_skip, session 29) 148 B.
+HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256, ("causal", 256): 160}
 # 128 without pingpong turns (session 24, an option): the persistent plain tile spills 452 B
 # (372 B with them), two spill stores and loads per key block in two of its loops (one with);
 # with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B, with
 # rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
-# rescale; one spill store and load per key block in two of the four loops)
-HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96}
+# rescale; one spill store and load per key block in two of the four loops); 128 causal with
+# tree_max (off there) and the per-warp threshold (warp_skip, session 29) 28 B
+HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96, ("causal", 128): 32}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -167,8 +170,11 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("window-softcap", 128): 192,
     # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers (named_turns,
     # session 27) 212 / 220 B (GPU tests passed; the varlen seed forward ran 0.946x the dense
-    # one in c0c4f9a's benchmark, 0.953x in 5ae1b49's)
-    ("plain", 256): 256,
+    # one in c0c4f9a's benchmark, 0.953x in 5ae1b49's); with O's rescale decided per warp
+    # (warp_skip, session 29: the early rescale's branch over 128 values of O) 392 B, at 256
+    # and 192: the varlen seed forward 661.9 (3afe79e's run, 212 B) -> 675.7 (119238b's, 392 B),
+    # 2x8192x8x256 665.4 -> 680.9
+    ("plain", 256): 448,
     # 396 B measured with packed_cvt (session 13; 360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
@@ -352,7 +358,8 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold", "split_keys", "warp_skip")):
+            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold", "split_keys", "warp_skip",
+                                                 "tree_max")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
