@@ -288,8 +288,8 @@ def _warp_skip_ptx(n):
 
 
 # [DV // 128]: the PTX and its constraints for a thread's DV / 2 values of O (DV = 64, 128, 256)
-_WARP_SKIP_ASM = gl.constexpr(tuple(_warp_skip_ptx(dv // 2)[0] for dv in (64, 128, 256)))
-_WARP_SKIP_CONSTRAINTS = gl.constexpr(tuple(_warp_skip_ptx(dv // 2)[1] for dv in (64, 128, 256)))
+_WARP_SKIP_ASM, _WARP_SKIP_CONSTRAINTS = (gl.constexpr(t) for t in zip(*(_warp_skip_ptx(dv // 2)
+                                                                       for dv in (64, 128, 256))))
 
 
 @gluon.jit
@@ -589,7 +589,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh,
                            stride_lsem, tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN,
                            HEAD_DIM)
-        else:
+        else:  # (PIECES is a constexpr: a kernel without pieces never traces _store_piece)
             _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh,
                        stride_lsem, tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN, HEAD_DIM)
         mbarrier.arrive(q_free.index(slot))
