@@ -40,12 +40,16 @@
 ``force_backend("portable")`` (or TRIFLASH_BACKEND=portable) pins every call to the portable
 tier (the benchmark's ``triflash-portable``); ``force_backend("hopper")`` makes a case the
 Hopper tier cannot serve an error instead of a silent fallback (tests use it).
+
+On a Triton release the Hopper tier was not validated on (``versions.VALIDATED_TRITON``),
+"auto" warns once and runs the portable tier; ``force_backend("hopper")`` runs Gluon anyway.
 """
 import contextlib
 import os
 
 import torch
 
+from . import versions
 from .kernels import configs, portable
 from .kernels.fwd import flash_fwd_kernel
 
@@ -98,6 +102,21 @@ def force_backend(name: str):
         _forced_backend = previous
 
 
+# '' when the running Triton is one the Hopper tier was validated on, else why not
+TRITON_UNTRUSTED = versions.hopper_untrusted_reason()
+
+
+def _try_hopper(chosen: str, target: str) -> bool:
+    """Whether this call tries the Hopper tier: an sm90 GPU, not pinned to the portable tier,
+    and a validated Triton unless the Hopper tier is forced."""
+    if chosen == "portable" or target != "sm90":
+        return False
+    if chosen == "auto" and TRITON_UNTRUSTED:
+        versions.warn_untrusted_once(TRITON_UNTRUSTED)
+        return False
+    return True
+
+
 GRID_YZ_MAX = 65535
 
 
@@ -142,7 +161,7 @@ def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
 def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
     target = target_of(q.device)
     chosen = backend()
-    if chosen != "portable" and target == "sm90":
+    if _try_hopper(chosen, target):
         why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
             cfg = configs.SM90_HOPPER_FWD[kernel_head_dim(q.shape[-1])]
@@ -179,7 +198,7 @@ def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, sequ
     """(dq, dk, dv); given dq/dk/dv (any strides, e.g. views of one packed dqkv) are written."""
     target = target_of(q.device)
     chosen = backend()
-    if chosen != "portable" and target == "sm90":
+    if _try_hopper(chosen, target):
         why_not = hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
         if not why_not:
             return hopper_bwd.bwd(dout, q, k, v, out, lse, params, deterministic,

@@ -1,0 +1,57 @@
+"""The torch / Triton pairs triflash is tested with, and which Triton releases the Hopper
+tier trusts at run time.
+
+The Hopper tier is written in Gluon, Triton's experimental low-level dialect: its API and its
+code generation (register allocation, hence spills and speed) change between Triton
+releases, and torch pins the Triton it runs with, so a user's torch decides which Triton
+runs triflash. A release is listed in ``VALIDATED_TRITON`` only after, under it, the whole
+GPU suite passed on an H200 and the benchmark's seed and 8k cases ran there (the files in
+benchmarks/results name the version). On any other release the Hopper tier is not trusted:
+dispatch warns once and runs the portable Triton kernels, unless the user insists with
+``triflash.force_backend("hopper")`` or ``TRIFLASH_BACKEND=hopper``.
+
+``MATRIX`` is the support matrix: CI runs the CPU suite (the interpreter and the sm_90a
+compile checks, with the spill budgets measured on that release) under each pair.
+"""
+import warnings
+
+import triton
+
+# (torch, triton) pairs: CI installs each and runs the test suite on the CPU.
+MATRIX = (
+    ("2.11.0", "3.6.0"),  # the GPU machine's pair (torch 2.11 pins triton 3.6.0)
+    ("2.14.1", "3.8.0"),  # what `pip install triflash` resolves today (torch 2.14 pins 3.8)
+)
+
+# Triton releases (major.minor) the Hopper tier was GPU-tested and benchmarked under.
+VALIDATED_TRITON = ("3.6", "3.8")
+
+
+def triton_release(version: str = None) -> str:
+    """'3.8' for '3.8.0' (or the running Triton's, '3.8.0+git1234' included)."""
+    parts = (version or triton.__version__).split("+")[0].split(".")
+    return ".".join(parts[:2])
+
+
+def hopper_untrusted_reason(version: str = None) -> str:
+    """'' when the Hopper tier is validated on this Triton release, else why not."""
+    release = triton_release(version)
+    if release in VALIDATED_TRITON:
+        return ""
+    return (f"triton {version or triton.__version__} is not one of the releases the Hopper tier "
+            f"was validated on ({', '.join(VALIDATED_TRITON)})")
+
+
+_warned = False
+
+
+def warn_untrusted_once(reason: str) -> None:
+    """One RuntimeWarning per process: the Hopper tier is off on this Triton."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(f"triflash: {reason}: the Hopper (Gluon) kernels are off and the portable "
+                  f"Triton kernels run instead (slower on H100/H200). Use a validated triton, or "
+                  f"run the Hopper tier anyway with triflash.force_backend('hopper') or "
+                  f"TRIFLASH_BACKEND=hopper.", RuntimeWarning, stacklevel=4)
