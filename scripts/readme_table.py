@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Print the README's benchmark table (Markdown) from a ``python -m triflash.bench`` JSON.
 
-    python scripts/readme_table.py bench-results.json
-    python scripts/readme_table.py bench-results.json --update README.md
+    python scripts/readme_table.py bench-out/results.json
+    python scripts/readme_table.py bench-out/results.json --update README.md
     python scripts/readme_table.py part1.json part2.json     # a run split in several parts
 
 Rows are cases (batch x seqlen x heads x headdim, causal), columns are impls with

@@ -7,7 +7,7 @@ Usage::
     python -m triflash.bench --headdims 128 --seqlens 1024 4096 16384 --total-tokens 16384
     python -m triflash.bench --batch 2 --seqlen 8192 --nheads 16 --nheads-kv 4 --headdim 128
     python -m triflash.bench --window 256 0 --causal false --impls triflash,flex,fa3
-    python scripts/readme_table.py bench-results.json --update README.md
+    python scripts/readme_table.py bench-out/results.json --update README.md
 
 Impls (``--impls``, default all): ``triflash`` (normal dispatch), ``triflash-portable``
 (inside ``triflash.force_backend("portable")``), ``triflash-varlen`` (the same batch
@@ -34,7 +34,7 @@ TFLOPS from ``triflash.testing.flops`` (fwd 4*b*h*sq*sk*d, halved when causal; b
 Correctness: FlashAttention-3's rule, max |impl - ref_fp32| <= fa_tolerance(ref_fp32,
 ref_lowp), per tensor. Exit status 1 when a triflash row fails its check.
 
-JSON schema (``--out``, default ``bench-results.json``)::
+JSON schema (``--out``, default ``bench-out/results.json``)::
 
     {
       "meta": {

@@ -14,6 +14,8 @@ from .peers import CPU_IMPLS, GPU_IMPLS, ISOLATED_BY_DEFAULT, SUBJECTS, make_imp
 
 INTERP_WARNING = ("NOTE: running on the CPU under Triton's interpreter (TRITON_INTERPRET=1). "
                   "Timings here mean NOTHING; this run only checks correctness.")
+# batch * heads * seqlen_q * seqlen_k * headdim of the cpu preset's largest case: seconds
+INTERP_QUICK_WORK = 1 * 2 * 128 * 128 * 64
 LAUNCH_BOUND = 0.7  # note rows whose host time per call exceeds this fraction of the GPU time
 SHAPE_FLAGS = ("headdims", "seqlens", "batch", "nheads", "total_tokens")
 
@@ -67,7 +69,8 @@ def parse_args(argv):
         "on a leading subset of batch/heads (default 2)"))
     t.add_argument("--no-check", action="store_true", help="skip the correctness check")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default="bench-results.json", help="JSON results (default %(default)s)")
+    o.add_argument("--out", default=os.path.join("bench-out", "results.json"),
+                   help="JSON results (default %(default)s; the plot beside it)")
     o.add_argument("--plot", help="PNG path (default: the JSON path with .png)")
     o.add_argument("--no-plot", action="store_true")
     o.add_argument("--commit", help="commit to record when the copy is not a git checkout")
@@ -353,6 +356,13 @@ def main(argv=None):
     impls = load_impls(select_impls(args, device), device, skipped, isolate)
     print(f"{len(cases)} cases x {len(args.modes)} modes x {len(impls)} impls "
           f"({', '.join(i.name for i in impls)}) on {device}, preset {preset}", flush=True)
+    if interp:
+        work = max(c.batch * c.nheads * c.seqlen_q * c.seqlen_k * c.headdim for c in cases)
+        if work > INTERP_QUICK_WORK:
+            print(f"WARNING: the interpreter runs every kernel instance in Python: a case of this "
+                  f"size ({work / INTERP_QUICK_WORK:.0f}x the cpu preset's largest) takes "
+                  f"minutes to hours before its first line; `--preset cpu` (the default on a CPU) "
+                  f"is the demo", flush=True)
     versions = {i.name: i.version() for i in impls if i.version()}
     done, resumed = {}, None
     if args.resume:
