@@ -10,6 +10,20 @@ from .interface import (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_v
                         get_scheduler_metadata)
 from .validation import set_check_inputs
 
+
+def _register_sdpa_backend():
+    """Offer triflash to torch's SDPA (``torch.nn.attention.activate_flash_attention_impl(
+    "triflash")``); activates nothing, and never makes ``import triflash`` fail
+    (``triflash.integrations.sdpa.available()`` / ``unavailable_reason`` say why not)."""
+    try:
+        from .integrations import sdpa
+        sdpa.register()
+    except Exception:  # pragma: no cover
+        pass
+
+
+_register_sdpa_backend()
+
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
            "flash_attn_with_kvcache", "flash_attn_combine", "get_scheduler_metadata", "force_backend", "set_check_inputs"]

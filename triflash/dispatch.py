@@ -158,14 +158,18 @@ def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
     return why_not
 
 
-def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
+def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, out=None):
+    """(out, lse); a given ``out`` (contiguous last dim, any other strides) is written instead
+    of a new tensor (the SDPA backend's (batch, heads, seqlen, dim) outputs)."""
     target = target_of(q.device)
     chosen = backend()
     if _try_hopper(chosen, target):
         why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+        if not why_not and out is not None and not tma_compatible(out):
+            why_not = "out's strides or base pointer not 16-byte aligned (TMA)"
         if not why_not:
             cfg = configs.SM90_HOPPER_FWD[kernel_head_dim(q.shape[-1])]
-            out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None)
+            out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None, out)
             if q.numel() == 0:
                 return out, lse
             return hopper_fwd.fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
@@ -176,7 +180,7 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params):
         raise NotImplementedError(f"triflash: the Hopper backend needs an sm90 GPU, got target {target!r}")
     cfg = configs.fwd_config(target, q.shape[-1], v.shape[-1])
     return portable.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params,
-                        cfg, upcast=target == "interpret")
+                        cfg, upcast=target == "interpret", out=out)
 
 
 def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params):

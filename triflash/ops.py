@@ -54,19 +54,20 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
     return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
 
 
-def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
-    """The forward both entry points run (the custom op and the eager ``_Attention``)."""
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats, out=None):
+    """The forward both entry points run (the custom op and the eager ``_Attention``); the
+    SDPA backend (integrations/sdpa.py) also calls it, with its own ``out``."""
     return dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                            _params(ints, floats))
+                            _params(ints, floats), out=out)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-              ints, floats):
-    """The backward both entry points run."""
+              ints, floats, dq=None, dk=None, dv=None):
+    """The backward both entry points run (and the SDPA backend, with its own dq/dk/dv)."""
     if dout.stride(-1) != 1:  # autograd may hand us expanded (stride-0) gradients
         dout = dout.contiguous()
     return dispatch.run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                            seqused_k, _params(ints, floats), bool(ints[4]))
+                            seqused_k, _params(ints, floats), bool(ints[4]), dq=dq, dk=dk, dv=dv)
 
 
 @fwd.register_fake

@@ -29,15 +29,24 @@ def alloc_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def alloc_fwd_outputs(q, v, varlen):
+def alloc_fwd_outputs(q, v, varlen, out=None):
     """(out, lse) of a forward, FA3's shapes. Varlen: tokens no sequence covers (cu_seqlens
-    gaps, padding, past seqused) read as empty rows (0, lse -inf), so they start that way."""
+    gaps, padding, past seqused) read as empty rows (0, lse -inf), so they start that way.
+    A given ``out`` (any strides with a contiguous last dim, e.g. a (batch, seqlen, heads,
+    dim) view of SDPA's (batch, heads, seqlen, dim) buffer) is used instead of a new one."""
     out_shape = q.shape[:-1] + (v.shape[-1],)
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     if varlen:
-        return (torch.zeros(out_shape, dtype=q.dtype, device=q.device),
-                torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device))
-    return (alloc_output(out_shape, q.dtype, q.device), alloc_output(lse_shape, torch.float32, q.device))
+        if out is None:
+            out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+        else:
+            out.zero_()
+        return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = alloc_output(out_shape, q.dtype, q.device)
+    elif POISON:
+        out.fill_(float("nan"))
+    return out, alloc_output(lse_shape, torch.float32, q.device)
 
 
 @dataclass(frozen=True)
@@ -131,16 +140,18 @@ class CacheAddressing:
 
 
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams,
-        cfg: FwdConfig, upcast: bool, cache: Optional[CacheAddressing] = None):
+        cfg: FwdConfig, upcast: bool, cache: Optional[CacheAddressing] = None,
+        out: Optional[torch.Tensor] = None):
     """Returns (out, lse) with FlashAttention-3's shapes. ``cache``: a KV cache's addressing
     (then ``p.max_seqlen_k`` is one sequence's cache capacity, and packed queries come with
-    ``cu_seqlens_q`` and no ``cu_seqlens_k``)."""
+    ``cu_seqlens_q`` and no ``cu_seqlens_k``). ``out``: written instead of a new tensor
+    (``alloc_fwd_outputs``)."""
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     cache_args, cache_flags = (cache or _NO_CACHE).kernel_args(k, q)
     varlen = s["varlen"]
     k_varlen = cu_seqlens_k is not None  # else dense keys, also under packed queries (DENSE_K)
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
-    out, lse = alloc_fwd_outputs(q, v, varlen)
+    out, lse = alloc_fwd_outputs(q, v, varlen, out)
     if s["batch"] == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     qk_scale, softcap_log2 = p.score_constants()

@@ -1,0 +1,482 @@
+"""triflash as torch's SDPA flash backend (triflash/integrations/sdpa.py).
+
+On the CPU the override functions run under Triton's interpreter, called directly with
+SDPA's layouts and through the dispatcher after activating them for the CPU dispatch key
+(the test-only ``sdpa._DISPATCH_KEY``): aten's flash ops have no CPU kernel of their own,
+so what runs there is triflash's. Cases triflash does not serve go to a fake previous
+kernel. With an sm90 GPU the same tests run on CUDA tensors (the dispatcher cycle on the
+CUDA key, torch's kernel behind it), and ``test_sdpa_on_gpu`` runs
+``F.scaled_dot_product_attention`` with the backend activated.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import triflash
+from triflash import dispatch
+from triflash.integrations import sdpa
+from triflash.testing import (assert_forward_matches, assert_grads_match, attention_ref,
+                              attention_varlen_ref, fa_tolerance, max_err)
+
+from conftest import DEVICE
+
+ON_GPU = DEVICE == "cuda"
+INTERPRETING = dispatch.interpreting()
+# where the backend serves calls: the interpreter (CPU) or an sm90 GPU
+served_here = pytest.mark.skipif(ON_GPU and torch.cuda.get_device_capability()[0] != 9,
+                                 reason="a GPU other than sm90: the backend hands every call to torch")
+attention = torch.nn.attention
+HAS_REGISTRY = hasattr(attention, "register_flash_attention_impl")
+needs_registry = pytest.mark.skipif(not HAS_REGISTRY, reason="torch without the flash-attention registry (< 2.10)")
+KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+SDPA_FWD = "_scaled_dot_product_flash_attention"
+
+
+class FakeKernel:
+    """Stands for the previous kernel: records what it is handed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call_boxed(self, keyset, *args, **kwargs):
+        self.calls.append((keyset, args, kwargs))
+        return "fallback"
+
+
+def _kernels(**fallbacks):
+    return sdpa.Kernels(fallbacks, "CPU")
+
+
+def _rand(*shape, dtype=torch.float16, g):
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def _sdpa_inputs(b, h, hk, sq, sk, d, layout, dtype=torch.float16, seed=0):
+    """q, k, v as SDPA takes them, (batch, heads, seqlen, dim): transposed views of
+    (batch, seqlen, heads, dim) tensors (``bshd``, what models make) or contiguous (``bhsd``)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "bshd":
+        return tuple(_rand(b, s, n, d, dtype=dtype, g=g).transpose(1, 2)
+                     for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    return tuple(_rand(b, n, s, d, dtype=dtype, g=g) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+
+
+def _ref(q, k, v, **kw):
+    """attention_ref on (batch, heads, seqlen, dim) tensors: (out, lse, out_lowp)."""
+    t = (lambda x: x.transpose(1, 2))
+    out_ref, lse_ref = attention_ref(t(q), t(k), t(v), upcast=True, **kw)
+    out_lowp, _ = attention_ref(t(q), t(k), t(v), upcast=False, **kw)
+    return t(out_ref), lse_ref, t(out_lowp)
+
+
+def _ref_grads(q, k, v, dout, **kw):
+    """Gradients of the fp32 and the low-precision reference, autograd, (batch, heads, ...)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out_ref, _, out_lowp = _ref(*leaves, **kw)
+    return (torch.autograd.grad(out_ref, leaves, dout), torch.autograd.grad(out_lowp, leaves, dout))
+
+
+# ---- registration ------------------------------------------------------------------------
+
+@needs_registry
+def test_registered_not_active():
+    assert sdpa.available() and sdpa.unavailable_reason == ""
+    assert "triflash" in attention.list_flash_attention_impls()
+    assert attention.current_flash_attention_impl() != "triflash"
+    assert sdpa._active is None  # import triflash overrode nothing
+
+
+def test_without_registry_the_reason_is_reported(monkeypatch):
+    monkeypatch.setattr(sdpa, "unavailable_reason", sdpa.unavailable_reason)  # (restored after)
+    if HAS_REGISTRY:
+        monkeypatch.delattr(attention, "register_flash_attention_impl")
+    assert sdpa.register() is False
+    assert not sdpa.available()
+    assert "register_flash_attention_impl" in sdpa.unavailable_reason and "2.10" in sdpa.unavailable_reason
+    triflash._register_sdpa_backend()  # what import triflash runs: no exception either
+    assert not sdpa.available()
+
+
+@needs_registry
+def test_activate_for_cuda_keeps_torchs_kernels_as_fallbacks():
+    """The real activation (the CUDA key; harmless without a GPU): every overridden op has
+    torch's kernel to hand unsupported calls to, and restore removes the override."""
+    attention.activate_flash_attention_impl("triflash")
+    try:
+        assert attention.current_flash_attention_impl() == "triflash"
+        handle = sdpa._active
+        assert handle.dispatch_key == "CUDA"
+        expected = {SDPA_FWD, SDPA_FWD + "_backward", "_flash_attention_forward", "_flash_attention_backward"}
+        if hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace"):  # torch >= 2.13
+            expected.add("_flash_attention_forward_no_dropout_inplace")
+        assert set(handle.ops) == expected
+        assert all(handle.kernels.fallbacks[name] is not None for name in expected)
+    finally:
+        attention.restore_flash_attention_impl()
+    assert attention.current_flash_attention_impl() is None
+    assert sdpa._active is None and handle.library is None
+
+
+@needs_registry
+def test_reactivating_never_falls_back_to_itself():
+    h1 = sdpa.activate_kernels("CPU")
+    h2 = sdpa.activate_kernels("CPU")
+    try:
+        assert h1.library is None and sdpa._active is h2
+        # aten's flash ops have no CPU kernel: nothing (not h1's kernels) to fall back to
+        assert all(f is None for f in h2.kernels.fallbacks.values())
+    finally:
+        h2.remove()
+    assert sdpa._active is None
+
+
+# ---- the SDPA ops, called directly ---------------------------------------------------------
+
+SDPA_CASES = {  # (causal, heads q, heads kv, seqlen q, seqlen k, layout, scale)
+    "full": (False, 4, 4, 37, 37, "bshd", None),
+    "causal-gqa": (True, 4, 2, 37, 37, "bhsd", None),
+    "causal-mqa-bottom-right": (True, 4, 1, 37, 53, "bshd", None),
+    "gqa-scale": (False, 4, 2, 37, 53, "bhsd", 0.3),
+}
+
+
+@served_here
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+def test_sdpa_override_matches(case):
+    causal, h, hk, sq, sk, layout, scale = SDPA_CASES[case]
+    b, d = 2, 64
+    q, k, v = _sdpa_inputs(b, h, hk, sq, sk, d, layout)
+    kernels = _kernels()
+    res = kernels.sdpa_forward(KEYSET, q, k, v, 0.0, causal, False, scale=scale)
+    assert len(res) == 9
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, debug_mask = res
+    # the conventions of torch's meta kernel
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == torch.empty_like(q).stride()
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert cum_q is None and cum_k is None and (max_q, max_k) == (sq, sk)
+    assert rng_state.shape == (2,) and rng_state.dtype == torch.uint64
+    assert unused.shape == () and unused.dtype == torch.uint64
+    assert debug_mask.shape == (0,) and debug_mask.dtype == q.dtype
+
+    # the same kernels as flash_attn_func on the (batch, seqlen, heads, dim) views
+    t = (lambda x: x.transpose(1, 2))
+    qf, kf, vf = (t(x).detach().requires_grad_() for x in (q, k, v))
+    out_fa, lse_fa = triflash.flash_attn_func(qf, kf, vf, softmax_scale=scale, causal=causal,
+                                              return_attn_probs=True)
+    assert torch.equal(t(out), out_fa) and torch.equal(lse, lse_fa)
+    # and the fp32 reference (causal bottom-right aligned, as torch's flash op)
+    out_ref, lse_ref, out_lowp = _ref(q, k, v, softmax_scale=scale, causal=causal)
+    assert_forward_matches(out, lse, out_ref, lse_ref, out_lowp)
+
+    dout = _rand(*out.shape, g=torch.Generator().manual_seed(1))
+    grads = kernels.sdpa_backward(KEYSET, dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal,
+                                  rng_state, unused, scale=scale)
+    for g_, x in zip(grads, (q, k, v)):
+        assert g_.shape == x.shape and g_.dtype == x.dtype and g_.stride() == torch.empty_like(x).stride()
+    grads_fa = torch.autograd.grad(out_fa, (qf, kf, vf), t(dout))
+    for g_, g_fa in zip(grads, grads_fa):  # (a GPU's atomic dQ adds in no fixed order)
+        assert torch.equal(t(g_), g_fa) if INTERPRETING else max_err(t(g_), g_fa) <= 1e-2
+    grads_ref, grads_lowp = _ref_grads(q, k, v, dout, softmax_scale=scale, causal=causal)
+    assert_grads_match(grads, grads_ref, grads_lowp)
+
+
+@served_here
+def test_sdpa_backward_is_deterministic_as_torch_says(monkeypatch):
+    seen = []
+    run_bwd = dispatch.run_bwd
+
+    def spy(*args, **kwargs):
+        seen.append(args[11])  # deterministic
+        return run_bwd(*args, **kwargs)
+    monkeypatch.setattr(dispatch, "run_bwd", spy)
+    q, k, v = _sdpa_inputs(1, 2, 2, 19, 19, 32, "bshd")
+    kernels = _kernels()
+    out, lse, *_ = kernels.sdpa_forward(KEYSET, q, k, v)
+    dout = torch.randn_like(out)
+    args = (KEYSET, dout, q, k, v, out, lse, None, None, 19, 19, 0.0, False, None, None)
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        g_det = kernels.sdpa_backward(*args)
+        torch.use_deterministic_algorithms(False)
+        g_atomic = kernels.sdpa_backward(*args)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert seen == [True, False]
+    for a, b in zip(g_det, g_atomic):
+        assert max_err(a, b) <= 1e-2
+
+
+# ---- the flash ops: (batch, seqlen, heads, dim) and varlen -----------------------------------
+
+def test_window_normalization_is_flash_attention_2s():
+    assert sdpa._window(None, None, False, 100) == (-1, -1)
+    assert sdpa._window(None, None, True, 100) == (-1, 0)
+    assert sdpa._window(-7, 3, False, 100) == (-1, 3)
+    assert sdpa._window(100, 99, False, 100) == (-1, 99)   # a side >= seqlen_k is unbounded
+    assert sdpa._window(20, 100, True, 100) == (20, 0)
+
+
+@served_here
+@pytest.mark.parametrize("causal,window", [(False, (None, None)), (True, (9, None)), (False, (5, 3))])
+def test_flash_ops_dense(causal, window):
+    b, h, hk, sq, sk, d = 2, 4, 2, 37, 45, 64
+    g = torch.Generator().manual_seed(2)
+    q, k, v = _rand(b, sq, h, d, g=g), _rand(b, sk, hk, d, g=g), _rand(b, sk, hk, d, g=g)
+    left, right = window
+    kernels = _kernels()
+    out, lse, rng_state, unused, debug_mask = kernels.flash_forward(
+        KEYSET, q, k, v, None, None, sq, sk, 0.0, causal, False, scale=None,
+        window_size_left=left, window_size_right=right)
+    assert lse.shape == (b, h, sq) and debug_mask.numel() == 0 and rng_state.shape == (2,)
+    ws = (-1 if left is None else left, -1 if right is None else right)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal, window_size=ws)
+    out_lowp, _ = attention_ref(q, k, v, causal=causal, window_size=ws, upcast=False)
+    assert_forward_matches(out, lse, out_ref, lse_ref, out_lowp)
+    out_fa = triflash.flash_attn_func(q, k, v, causal=causal, window_size=ws)
+    assert torch.equal(out, out_fa)
+
+    dout = _rand(*out.shape, g=g)
+    grads = kernels.flash_backward(KEYSET, dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal,
+                                   rng_state, unused, scale=None, window_size_left=left,
+                                   window_size_right=right)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    grads_ref = torch.autograd.grad(attention_ref(*leaves, causal=causal, window_size=ws)[0], leaves, dout)
+    grads_lowp = torch.autograd.grad(attention_ref(*leaves, causal=causal, window_size=ws, upcast=False)[0],
+                                     leaves, dout)
+    assert_grads_match(grads, grads_ref, grads_lowp)
+
+
+def _varlen_inputs(seed=3):
+    lens_q, lens_k = [37, 5, 20], [40, 7, 20]
+    h, hk, d = 4, 2, 64
+    g = torch.Generator().manual_seed(seed)
+    q = _rand(sum(lens_q), h, d, g=g)
+    k, v = _rand(sum(lens_k), hk, d, g=g), _rand(sum(lens_k), hk, d, g=g)
+    cu = [torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+          for lens in (lens_q, lens_k)]
+    return q, k, v, cu[0], cu[1], max(lens_q), max(lens_k)
+
+
+@served_here
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_ops_varlen(causal):
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs()
+    kernels = _kernels()
+    out, lse, rng_state, unused, _ = kernels.flash_forward(KEYSET, q, k, v, cu_q, cu_k, max_q, max_k,
+                                                           0.0, causal, False)
+    assert lse.shape == (q.shape[1], q.shape[0])
+    out_fa, lse_fa = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                     return_attn_probs=True)
+    assert torch.equal(out, out_fa) and torch.equal(lse, lse_fa)
+    out_ref, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal)
+    out_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=False)
+    assert max_err(out, out_ref) <= fa_tolerance(out_ref, out_lowp)
+
+    dout = torch.randn_like(out)
+    grads = kernels.flash_backward(KEYSET, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
+                                   rng_state, unused)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    grads_ref = torch.autograd.grad(attention_varlen_ref(*leaves, cu_q, cu_k, causal=causal)[0], leaves, dout)
+    grads_lowp = torch.autograd.grad(attention_varlen_ref(*leaves, cu_q, cu_k, causal=causal, upcast=False)[0],
+                                     leaves, dout)
+    assert_grads_match(grads, grads_ref, grads_lowp)
+
+
+@served_here
+def test_flash_forward_inplace():
+    """``_flash_attention_forward_no_dropout_inplace`` (torch >= 2.13): into the given out."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs()
+    kernels = _kernels()
+    out, lse, *_ = kernels.flash_forward(KEYSET, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False)
+    out2 = torch.full_like(q, float("nan"))
+    lse2 = kernels.flash_forward_inplace(KEYSET, out2, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                         seqused_k=None, block_table=None, num_splits=None)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+# ---- what goes to the previous kernel -------------------------------------------------------
+
+def _sdpa_call(d=64, dtype=torch.float16, dropout_p=0.0, return_debug_mask=False):
+    q, k, v = _sdpa_inputs(1, 2, 2, 9, 9, d, "bshd", dtype=dtype)
+    return (q, k, v, dropout_p, True, return_debug_mask)
+
+
+FALLBACKS = {
+    "dropout": (_sdpa_call(dropout_p=0.1), "dropout"),
+    "headdim-512": (_sdpa_call(d=512), "head dims"),
+    "headdim-36": (_sdpa_call(d=36), "head dims"),
+    "fp32": (_sdpa_call(dtype=torch.float32), "dtype"),
+    "debug-mask": (_sdpa_call(return_debug_mask=True), "return_debug_mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_sdpa_fallbacks(case):
+    args, why = FALLBACKS[case]
+    fake = FakeKernel()
+    kernels = _kernels(**{SDPA_FWD: fake})
+    assert kernels.sdpa_forward(KEYSET, *args, scale=0.125) == "fallback"
+    (keyset, got_args, got_kwargs), = fake.calls
+    assert keyset is KEYSET and got_kwargs == {"scale": 0.125}
+    assert len(got_args) == len(args) and all(a is b for a, b in zip(got_args, args))
+    assert sdpa.last_fallback[0] == SDPA_FWD and why in sdpa.last_fallback[1]
+
+
+def test_sdpa_backward_fallback_and_no_previous_kernel():
+    q, k, v = _sdpa_inputs(1, 2, 2, 9, 9, 64, "bshd")
+    out, lse = torch.zeros_like(q), torch.zeros(1, 2, 9)
+    args = (q, q, k, v, out, lse, None, None, 9, 9, 0.1, False, None, None)
+    fake = FakeKernel()
+    assert _kernels(**{SDPA_FWD + "_backward": fake}).sdpa_backward(KEYSET, *args) == "fallback"
+    assert all(a is b for a, b in zip(fake.calls[0][1], args)) and fake.calls[0][2] == {"scale": None}
+    with pytest.raises(NotImplementedError, match="dropout_p > 0"):
+        _kernels().sdpa_backward(KEYSET, *args)  # no previous kernel: torch's own error kind
+
+
+@served_here
+@pytest.mark.parametrize("kwargs,why", [
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), "block_table"),  # torch >= 2.13
+    (dict(a_future_argument=1), "a_future_argument"),
+])
+def test_flash_forward_fallbacks(kwargs, why):
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs()
+    fake = FakeKernel()
+    kernels = _kernels(_flash_attention_forward=fake)
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False)
+    assert kernels.flash_forward(KEYSET, *args, **kwargs) == "fallback"
+    (_, got_args, got_kwargs), = fake.calls
+    assert len(got_args) == len(args) and all(a is b for a, b in zip(got_args, args))
+    assert all(got_kwargs[name] is value for name, value in kwargs.items())
+    assert why in sdpa.last_fallback[1]
+    # num_splits is a hint: served
+    assert kernels.flash_forward(KEYSET, *args, num_splits=4)[0].shape == q.shape
+
+
+def test_device_decisions(monkeypatch):
+    if INTERPRETING:
+        assert sdpa._device_reason(torch.device("cpu")) == ""  # (these tests)
+    assert "meta" in sdpa._device_reason(torch.device("meta"))
+    monkeypatch.setattr(sdpa, "_DEVICE_REASONS", {})
+    monkeypatch.setattr(dispatch, "target_of", lambda device: "default")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert "A100 is not sm90" in sdpa._device_reason(torch.device("cuda", 0))
+    monkeypatch.setattr(sdpa, "_DEVICE_REASONS", {})
+    monkeypatch.setattr(dispatch, "target_of", lambda device: "sm90")
+    assert sdpa._device_reason(torch.device("cuda", 0)) == ""
+    # CPU tensors without the interpreter go to the previous kernel
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    fake = FakeKernel()
+    q = torch.randn(1, 2, 9, 64, dtype=torch.float16)
+    assert _kernels(**{SDPA_FWD: fake}).sdpa_forward(KEYSET, q, q, q) == "fallback"
+    assert "device cpu" in sdpa.last_fallback[1]
+
+
+# ---- the whole cycle through torch's dispatcher (CPU key) ----------------------------------
+
+@needs_registry
+@served_here
+def test_activate_call_restore_through_the_dispatcher(monkeypatch):
+    """activate -> aten's ops (and their autograd formulas) -> restore. On the CPU key there
+    is no kernel before ours (an unserved call raises, as without ours); on CUDA, torch's."""
+    monkeypatch.setattr(sdpa, "_DISPATCH_KEY", "CUDA" if ON_GPU else "CPU")
+    monkeypatch.setattr(sdpa, "last_fallback", None)
+    q, k, v = (x.requires_grad_() for x in _sdpa_inputs(2, 4, 2, 37, 37, 64, "bshd"))
+    attention.activate_flash_attention_impl("triflash")
+    try:
+        assert attention.current_flash_attention_impl() == "triflash"
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)  # aten's formula -> the backward op
+        out_ref, lse_ref, out_lowp = _ref(q, k, v, causal=True)
+        assert_forward_matches(out, lse, out_ref, lse_ref, out_lowp)
+        assert_grads_match(grads, *_ref_grads(q, k, v, dout, causal=True))
+
+        # _flash_attention_forward with a window, and its backward, through autograd
+        t = (lambda x: x.detach().transpose(1, 2).requires_grad_())
+        qf, kf, vf = t(q), t(k), t(v)
+        out_f, *_ = torch.ops.aten._flash_attention_forward(qf, kf, vf, None, None, 37, 37, 0.0, True, False,
+                                                            window_size_left=7)
+        out_ref, _ = attention_ref(qf, kf, vf, causal=True, window_size=(7, -1))
+        out_lowp, _ = attention_ref(qf, kf, vf, causal=True, window_size=(7, -1), upcast=False)
+        assert max_err(out_f, out_ref) <= fa_tolerance(out_ref, out_lowp)
+        dout_f = torch.randn_like(out_f)
+        grads_f = torch.autograd.grad(out_f, (qf, kf, vf), dout_f)
+        grads_ref = torch.autograd.grad(out_ref, (qf, kf, vf), dout_f)
+        grads_lowp = torch.autograd.grad(out_lowp, (qf, kf, vf), dout_f)
+        assert_grads_match(grads_f, grads_ref, grads_lowp)
+
+        assert sdpa.last_fallback is None
+        # not served: to the kernel before ours (on the CPU key, none)
+        if ON_GPU:
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.5)
+        else:
+            with pytest.raises(NotImplementedError, match="dropout_p > 0"):
+                torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.5)
+        assert sdpa.last_fallback == (SDPA_FWD, "dropout_p > 0")
+    finally:
+        attention.restore_flash_attention_impl()
+    assert attention.current_flash_attention_impl() is None and sdpa._active is None
+    sdpa.last_fallback = None
+    if ON_GPU:  # torch's kernel, not ours
+        torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.5)
+        assert sdpa.last_fallback is None
+    else:
+        with pytest.raises(NotImplementedError, match="CPU"):  # torch's (absent) CPU kernel again
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
+
+
+# ---- on an sm90 GPU: F.scaled_dot_product_attention -------------------------------------
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, {e.name for e in prof.events()}
+
+
+TRIFLASH_KERNELS = ("hopper_fwd_kernel", "hopper_bwd", "hopper_dq_kernel", "flash_fwd_kernel", "bwd_dkdv_kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@needs_registry
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sdpa_on_gpu(d, causal, gqa, monkeypatch):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    monkeypatch.setattr(sdpa, "last_fallback", None)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the backend serves sm90 GPUs; elsewhere every call goes to torch's kernel")
+    b, h, s = 2, 16, 1024
+    hk = 4 if gqa else h
+    q, k, v = (x.requires_grad_() for x in _sdpa_inputs(b, h, hk, s, s, d, "bshd", dtype=torch.bfloat16))
+    dout = torch.randn(b, h, s, d, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return out, torch.autograd.grad(out, (q, k, v), dout)
+
+    attention.activate_flash_attention_impl("triflash")
+    try:
+        assert attention.current_flash_attention_impl() == "triflash"
+        (out, grads), names = _kernel_names(run)
+        assert sdpa.last_fallback is None or sdpa.last_fallback[0] != SDPA_FWD, sdpa.last_fallback
+    finally:
+        attention.restore_flash_attention_impl()
+    assert any("hopper_fwd_kernel" in n for n in names), sorted(names)
+    assert any("hopper_bwd" in n or "hopper_dq" in n for n in names), sorted(names)
+    assert not any("pytorch_flash" in n for n in names), sorted(names)
+
+    out_ref, _, out_lowp = _ref(q, k, v, causal=causal)
+    assert max_err(out, out_ref) <= fa_tolerance(out_ref, out_lowp)
+    assert_grads_match(grads, *_ref_grads(q, k, v, dout, causal=causal))
+
+    # restored: torch's own flash kernel, none of triflash's
+    (out_builtin, _), names = _kernel_names(run)
+    assert any("flash" in n for n in names) and not any(n.startswith(TRIFLASH_KERNELS) for n in names), sorted(names)
+    assert max_err(out_builtin, out_ref) <= fa_tolerance(out_ref, out_lowp)

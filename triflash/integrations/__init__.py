@@ -1,0 +1,6 @@
+"""Integrations of triflash into other libraries' extension points.
+
+``sdpa``: a backend for ``torch.nn.functional.scaled_dot_product_attention`` through torch's
+flash-attention registry (torch >= 2.10), registered by ``import triflash``, never activated
+by it: ``torch.nn.attention.activate_flash_attention_impl("triflash")``.
+"""
