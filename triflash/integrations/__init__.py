@@ -1,6 +1,10 @@
-"""Integrations of triflash into other libraries' extension points.
+"""Integrations of triflash into other libraries' extension points; each imports its library
+only when used.
 
 ``sdpa``: a backend for ``torch.nn.functional.scaled_dot_product_attention`` through torch's
 flash-attention registry (torch >= 2.10), registered by ``import triflash``, never activated
 by it: ``torch.nn.attention.activate_flash_attention_impl("triflash")``.
+
+``transformers``: ``register()`` adds an attention implementation to Hugging Face
+transformers (``AttentionInterface`` and ``AttentionMaskInterface``) and returns its name.
 """
