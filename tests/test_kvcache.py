@@ -87,9 +87,6 @@ def test_kvcache_bad_input():
         triflash.flash_attn_with_kvcache(q, kc, vc, cu_seqlens_k_new=torch.zeros(3, **i32))
     with pytest.raises(ValueError, match="page_table"):
         triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(3, 1, **i32))
-    with pytest.raises(ValueError, match="cache_batch_idx"):
-        triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(2, 1, **i32),
-                                         cache_batch_idx=torch.zeros(2, **i32))
     with pytest.raises(ValueError, match=r"k_cache.shape\[0\]"):
         triflash.flash_attn_with_kvcache(q, kc[:1], vc[:1])
     with pytest.raises(ValueError, match="rotary_cos, rotary_sin"):
@@ -121,6 +118,9 @@ def test_kvcache_bad_input():
             triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.tensor([0, 3], **i32))
         with pytest.raises(ValueError, match="page_table"):
             triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.tensor([[0], [2]], **i32))
+        with pytest.raises(ValueError, match=r"cache_batch_idx=\[0, 2\].*page_table rows"):
+            triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(2, 1, **i32),
+                                             cache_batch_idx=torch.tensor([0, 2], **i32))
     finally:
         triflash.set_check_inputs(False)
     with pytest.raises(ValueError, match="cache_seqlens"):

@@ -12,6 +12,22 @@ Semantics shared by every function:
 * return_attn_probs=True returns (out, lse) with lse the natural-log log-sum-exp (fp32) of
   the scaled (soft-capped) scores, shape (batch, nheads, seqlen_q), or (nheads, total_q)
   for varlen.
+
+Scalar arguments take the forms FA3's Python interface and C++ binding take, with FA3's
+meaning (tests/test_fa3_call_forms.py):
+
+* window_size: a tuple or list of two ints, each may be a NumPy int or a one-element
+  integer tensor, or a 2-element integer tensor (FA3's tests draw it with torch.randint);
+  any negative side is unbounded, as -1;
+* causal, deterministic, rotary_interleaved: a bool, or what FA3's binding reads as one by
+  truth value: None (False), a Python or NumPy integer or bool, a one-element tensor;
+* softmax_scale (None: 1 / sqrt(headdim)) and softcap: a Python or NumPy number or a
+  one-element tensor; softcap <= 0 disables soft-capping (FA3: "anything > 0 activates");
+* max_seqlen_q / max_seqlen_k, cache_seqlens (or an int32 (batch,) tensor), num_heads_q: a
+  Python or NumPy int or a one-element integer tensor (a CUDA tensor's value is read: a sync).
+
+Bools in an int or float slot are refused (``softmax_scale=True`` is a misplaced ``causal``),
+as are FA4's None windows; refusals raise "name=value is not supported: what is allowed".
 """
 import torch
 
@@ -25,19 +41,20 @@ def _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk):
                          v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
 
 
-def _check_flag(name, value):
-    if not isinstance(value, bool):
-        V._fail(name, value, "expected a bool", TypeError)
-
-
 # Dense calls whose arguments passed validation, by signature -> (ints, floats) for the ops.
 # Validation reads only what the signature holds (shapes, strides, dtypes, devices and the
 # scalar arguments with their types), so a repeat skips it: ~6 us of Python per call on a
 # fast host, twice that on the H200's, which a 1k-token forward pays as wall time under
 # do_bench (benchmarks/NOTES.md). Only plain tensors with a contiguous last dim, bool flags,
-# a window of two ints and default FA3 extras take this path; anything else is validated
-# every time, as is every call while torch.compile traces.
+# a tuple window of two ints, a Python float/int/None scale and float/int softcap and
+# default FA3 extras take this path; anything else (FA3's other forms: a list or tensor
+# window, numpy or tensor scalars, integer flags) is validated every time, as is every call
+# while torch.compile traces.
 _VALIDATED = {}
+
+
+_PLAIN_SCALE = (type(None), float, int)
+_PLAIN_SOFTCAP = (float, int)
 
 
 def _dense_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic):
@@ -45,7 +62,8 @@ def _dense_signature(q, k, v, softmax_scale, causal, window_size, softcap, deter
     if not (q.__class__ is torch.Tensor and k.__class__ is torch.Tensor and v.__class__ is torch.Tensor
             and causal.__class__ is bool and deterministic.__class__ is bool
             and window_size.__class__ is tuple and len(window_size) == 2
-            and window_size[0].__class__ is int and window_size[1].__class__ is int):
+            and window_size[0].__class__ is int and window_size[1].__class__ is int
+            and softmax_scale.__class__ in _PLAIN_SCALE and softcap.__class__ in _PLAIN_SOFTCAP):
         return None
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     if qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1:
@@ -64,8 +82,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
     v: (batch, seqlen_k, nheads_kv, headdim_v). fp16 or bf16, head dims multiples of 8 up
     to 256. Returns out (batch, seqlen_q, nheads, headdim_v), and lse if return_attn_probs.
-    ``num_splits``, ``pack_gqa`` and ``sm_margin`` are FA3 performance hints, accepted and
-    ignored.
+    Scalars in any of FA3's forms (module docstring). ``num_splits``, ``pack_gqa`` and
+    ``sm_margin`` are FA3 performance hints, accepted and ignored.
     """
     key = None
     if (qv is None and q_descale is None and k_descale is None and v_descale is None
@@ -74,8 +92,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     scalars = _VALIDATED.get(key) if key is not None else None
     if scalars is None:
         _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
-        _check_flag("causal", causal)
-        _check_flag("deterministic", deterministic)
+        causal = V.as_flag("causal", causal)
+        deterministic = V.as_flag("deterministic", deterministic)
         V.check_qkv(q, k, v, varlen=False)
         q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
         softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
@@ -98,23 +116,63 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over a packed batch of variable-length sequences.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim[_v]); cu_seqlens_q/k:
-    int32 (batch + 1,) prefix sums of the lengths; max_seqlen_q/k: the longest sequence;
-    seqused_q/k: optional int32 (batch,) counts of tokens that take part in each sequence.
-    Every feature of ``flash_attn_func`` applies per sequence. Returns out (total_q,
-    nheads, headdim_v), and lse (nheads, total_q) if return_attn_probs.
+    int32 (batch + 1,) prefix sums of the lengths; max_seqlen_q/k: the longest sequence (a
+    Python or NumPy int, or a one-element integer tensor, as FA3 takes); seqused_q/k:
+    optional int32 (batch,) counts of tokens that take part in each sequence. As in FA3,
+    either side may instead be a dense batch: cu_seqlens_q=None with q (batch, seqlen_q,
+    nheads, headdim) (max_seqlen_q then unused), cu_seqlens_k=None with k, v (batch,
+    seqlen_k, nheads_kv, headdim[_v]); seqused_q/k still apply, counted from each batch
+    row's start. Every feature of ``flash_attn_func`` applies per sequence. Returns out
+    (total_q, nheads, headdim_v) (a dense q: (batch, seqlen_q, nheads, headdim_v)), and lse
+    (nheads, total_q) (a dense q: (batch, nheads, seqlen_q)) if return_attn_probs.
     """
     _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
-    _check_flag("causal", causal)
-    _check_flag("deterministic", deterministic)
+    causal = V.as_flag("causal", causal)
+    deterministic = V.as_flag("deterministic", deterministic)
+    dense_q = None
+    if cu_seqlens_q is None:  # FA3: q is then a dense batch (batch, seqlen_q, ...)
+        V._check_tensor("q", q, 4)
+        dense_q = q.shape[:2]
+        q, cu_seqlens_q, max_seqlen_q = _as_packed(q)
+    else:
+        max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
+    if cu_seqlens_k is None:  # likewise k and v
+        V._check_tensor("k", k, 4)
+        V._check_tensor("v", v, 4)
+        V._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+        batch = cu_seqlens_q.shape[0] - 1
+        for name, t in (("k", k), ("v", v)):
+            if t.shape[0] != batch:
+                V._fail(f"{name}.shape[0]", t.shape[0], f"with cu_seqlens_k=None {name} is a dense batch: "
+                        f"expected the batch size {batch}")
+        if k.shape[1] != v.shape[1]:
+            V._fail("seqlen_k", (k.shape[1], v.shape[1]), "k and v must share seqlen_k")
+        k, cu_seqlens_k, max_seqlen_k = _as_packed(k)
+        v = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
+    else:
+        max_seqlen_k = V.as_max_seqlen("max_seqlen_k", max_seqlen_k)
     V.check_qkv(q, k, v, varlen=True)
     V.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
     out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                             *ops.pack_scalars(int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
+                             *ops.pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale,
                                                left, right, softcap, deterministic))
+    if dense_q is not None:
+        out = out.reshape(*dense_q, *out.shape[1:])
+        if return_attn_probs:
+            lse = lse.reshape(lse.shape[0], *dense_q).transpose(0, 1).contiguous()
     return (out, lse) if return_attn_probs else out
+
+
+def _as_packed(x):
+    """A dense batch (batch, seqlen, heads, dim) as FA3's varlen kernels read it when its
+    cu_seqlens is None: (batch * seqlen, heads, dim), cu_seqlens 0, seqlen, 2 * seqlen, ...
+    and max_seqlen seqlen."""
+    batch, seqlen = x.shape[:2]
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=x.device) * seqlen
+    return x.reshape(batch * seqlen, *x.shape[2:]), cu, seqlen
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None,
@@ -127,8 +185,8 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     The kernels read q, k and v as strided views of qkv, and the backward writes dq, dk
     and dv into views of one dqkv (no concatenation)."""
     _fa3_extras(None, q_descale, k_descale, v_descale, attention_chunk)
-    _check_flag("causal", causal)
-    _check_flag("deterministic", deterministic)
+    causal = V.as_flag("causal", causal)
+    deterministic = V.as_flag("deterministic", deterministic)
     if not isinstance(qkv, torch.Tensor):
         V._fail("qkv", type(qkv).__name__, "expected a torch.Tensor", TypeError)
     if qkv.dim() == 5:
@@ -138,6 +196,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     elif qkv.dim() == 4:
         if num_heads_q is None:
             V._fail("num_heads_q", None, "required with a 4-dim qkv (batch, seqlen, nheads_q + 2 * nheads_kv, headdim)")
+        num_heads_q = V.as_int("num_heads_q", num_heads_q, "expected an int, the query heads of a 4-dim qkv")
         nheads_kv2 = qkv.shape[2] - num_heads_q
         if num_heads_q <= 0 or nheads_kv2 <= 0 or nheads_kv2 % 2 != 0:
             V._fail("num_heads_q", num_heads_q, f"qkv has {qkv.shape[2]} heads; need nheads_q + 2 * nheads_kv with nheads_kv >= 1")
@@ -164,12 +223,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     """Attention of q against a KV cache, for decoding (forward only, no autograd).
 
     q: (batch, seqlen_q, nheads, headdim), or (total_q, nheads, headdim) with int32
-    ``cu_seqlens_q`` (batch + 1,) and ``max_seqlen_q``. k_cache, v_cache: (batch_cache,
-    seqlen_cache, nheads_kv, headdim[_v]), or with ``page_table`` (batch, pages per sequence,
-    int32) blocks (num_blocks, page_size, nheads_kv, headdim[_v]): sequence b's logical row
-    r is row r % page_size of block page_table[b, r // page_size]. ``cache_batch_idx``
-    (batch,): the cache batch of each sequence (not with a page table). ``cache_seqlens``: an
-    int or int32 (batch,) tensor, the tokens already in each sequence's cache (None: the
+    ``cu_seqlens_q`` (batch + 1,) and ``max_seqlen_q`` (an int, NumPy int or one-element
+    integer tensor; ignored without cu_seqlens_q, as in FA3). k_cache, v_cache:
+    (batch_cache, seqlen_cache, nheads_kv, headdim[_v]), or with ``page_table`` (batch,
+    pages per sequence, int32) blocks (num_blocks, page_size, nheads_kv, headdim[_v]):
+    sequence b's logical row r is row r % page_size of block page_table[b, r // page_size].
+    ``cache_batch_idx`` (batch,) int32: the cache batch of each sequence, or with a page
+    table the page-table row of each (the table then has any number of rows; sequence b
+    reads page_table[cache_batch_idx[b]], as in FA3). ``cache_seqlens``: an int (or NumPy
+    int) or int32 (batch,) tensor, the tokens already in each sequence's cache (None: the
     whole cache). With new k, v (batch, seqlen_new, nheads_kv, headdim[_v]) they are first
     written into the caches in place at rows cache_seqlens .. cache_seqlens + seqlen_new - 1.
     Each sequence then attends to its keys cache_leftpad .. cache_seqlens + seqlen_new - 1
@@ -177,9 +239,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2) the new keys are rotated at
     positions ``rotary_seqlens`` (default cache_seqlens) + i before they are written, and q
     at the same positions if causal or local, else every query at position cache_seqlens
-    (``rotary_interleaved``: GPT-J pairs, else GPT-NeoX halves). Returns out (batch, seqlen_q,
-    nheads, headdim_v) (varlen: (total_q, ...)), and lse (batch, nheads, seqlen_q) (varlen:
-    (nheads, total_q)) if return_softmax_lse.
+    (``rotary_interleaved``: GPT-J pairs, else GPT-NeoX halves); without the tables
+    ``rotary_seqlens`` is ignored, as in FA3. Other scalars in any of FA3's forms (module
+    docstring). Returns out (batch, seqlen_q, nheads, headdim_v) (varlen: (total_q, ...)),
+    and lse (batch, nheads, seqlen_q) (varlen: (nheads, total_q)) if return_softmax_lse
+    (FA3 appends its split accumulators to that tuple; its callers unpack
+    ``out, lse, *rest``, which this 2-tuple satisfies).
 
     Dense caches without cache_batch_idx / cache_leftpad run the Hopper forward on sm90 at
     head dims 64/128/256; the other forms run the portable kernels. FA3's ``qv``, fp8
@@ -193,9 +258,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     V.reject_unsupported(qv=(qv, None), cu_seqlens_k_new=(cu_seqlens_k_new, None),
                          q_descale=(q_descale, None), k_descale=(k_descale, None),
                          v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
-    _check_flag("causal", causal)
-    _check_flag("rotary_interleaved", rotary_interleaved)
+    causal = V.as_flag("causal", causal)
+    rotary_interleaved = V.as_flag("rotary_interleaved", rotary_interleaved)
     varlen_q = cu_seqlens_q is not None
+    if varlen_q:  # (FA3 reads max_seqlen_q only with cu_seqlens_q)
+        max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     starts, used, capacity = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                              cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q)
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
@@ -203,6 +270,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
     with torch.no_grad():
+        if page_table is not None and cache_batch_idx is not None:
+            # FA3: sequence b reads page_table[cache_batch_idx[b]]; the kernels take the rows
+            # gathered (clamped like every unchecked index: no fault)
+            page_table = page_table.index_select(0, cache_batch_idx.clamp(0, page_table.shape[0] - 1))
+            cache_batch_idx = None
         if rotary:
             offsets = rotary_seqlens if rotary_seqlens is not None else starts
             same = left < 0 and right < 0

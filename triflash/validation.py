@@ -3,6 +3,7 @@ and what is allowed. Nothing here synchronizes with the GPU unless ``check_input
 (``triflash.set_check_inputs(True)`` or TRIFLASH_CHECK_INPUTS=1), which adds the data-
 dependent varlen checks (cu_seqlens monotone, in range; max_seqlen large enough)."""
 import math
+import numbers
 import os
 
 import torch
@@ -11,6 +12,7 @@ from . import dispatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEADDIM = 256
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _check_inputs = os.environ.get("TRIFLASH_CHECK_INPUTS", "0") == "1"
 
 
@@ -56,29 +58,89 @@ def last_dim_contiguous(x):
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
+def as_int(name, value, allowed):
+    """One of FA3's int arguments: a Python or NumPy integer, or a one-element integer tensor
+    (FA3's C++ binding converts those, e.g. a window drawn with torch.randint; reading a
+    CUDA tensor's value is a sync). Bools and floats are refused: in an int slot they are a
+    misplaced argument."""
+    if value.__class__ is int:
+        return value
+    if isinstance(value, torch.SymInt):  # torch.compile with dynamic shapes
+        return value
+    if not isinstance(value, bool) and isinstance(value, numbers.Integral):  # numpy ints
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype in _INT_DTYPES:
+        return int(value.item())
+    _fail(name, value, allowed)
+
+
+def _is_numpy_bool(value):
+    """numpy.bool_ (numpy.bool in numpy 2), without importing numpy (not a dependency)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+
+
+def as_flag(name, value):
+    """One of FA3's bool arguments (causal, deterministic, rotary_interleaved): a bool, or
+    what FA3's C++ binding converts to one (None: False; a Python or NumPy integer or bool;
+    a one-element bool or integer tensor), by truth value."""
+    if value.__class__ is bool:
+        return value
+    if value is None:
+        return False
+    if isinstance(value, numbers.Integral) or _is_numpy_bool(value):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and (value.dtype == torch.bool or value.dtype in _INT_DTYPES):
+        return bool(value.item())
+    _fail(name, value, "expected a bool (or an integer / one-element tensor FA3 reads as one)", TypeError)
+
+
+def _as_float(name, value, allowed):
+    """One of FA3's float arguments: a Python or NumPy number, or a one-element tensor (not
+    a bool: in a float slot it is a misplaced argument)."""
+    if value.__class__ is float or value.__class__ is int:
+        return float(value)
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):  # (numpy's bool is not Real)
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool \
+            and not value.is_complex():
+        return float(value.item())
+    _fail(name, value, allowed)
+
+
+_WINDOW = "expected a pair (left, right) of ints, a negative one unbounded (FA3's -1)"
+_WINDOW_SIDE = "expected an int, negative for unbounded (FA3's -1; None is FA4's form)"
+
+
 def normalize_window(window_size, causal):
-    """(left, right) with -1 for unbounded; causal sets right = 0 (bottom-right aligned)."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        _fail("window_size", window_size, "expected a pair (left, right) of ints >= -1")
-    left, right = window_size
-    for side, w in (("window_size[0]", left), ("window_size[1]", right)):
-        if isinstance(w, bool) or not isinstance(w, int) or w < -1:
-            _fail(side, w, "expected an int >= -1 (-1 means unbounded)")
+    """(left, right) with -1 for unbounded; causal sets right = 0 (bottom-right aligned).
+    window_size: FA3's forms, a tuple or list of two ints (or one-element integer tensors),
+    or a 2-element integer tensor; any negative side is unbounded, as in FA3."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.shape != (2,) or window_size.dtype not in _INT_DTYPES:
+            _fail("window_size", f"tensor{tuple(window_size.shape)} {window_size.dtype}",
+                  "expected a 2-element integer tensor, or a pair (left, right) of ints")
+        window_size = window_size.tolist()
+    elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        _fail("window_size", window_size, _WINDOW)
+    left, right = (as_int(f"window_size[{i}]", w, _WINDOW_SIDE) for i, w in enumerate(window_size))
+    left, right = max(left, -1), max(right, -1)
     if causal:
         right = 0
-    return int(left), int(right)
+    return left, right
 
 
 def check_scalars(softmax_scale, softcap, headdim):
-    if softmax_scale is None:
-        softmax_scale = headdim ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale):
-        _fail("softmax_scale", softmax_scale, "expected a finite float (or None for headdim**-0.5)")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0.0 \
-            or not math.isfinite(softcap):
-        _fail("softcap", softcap, "expected a finite float >= 0 (0 disables soft-capping)")
-    return float(softmax_scale), float(softcap)
+    """(softmax_scale, softcap) as floats. None scale: headdim**-0.5; softcap <= 0 disables
+    soft-capping (FA3: "anything > 0 activates")."""
+    allowed = "expected a finite float (or None for headdim**-0.5)"
+    softmax_scale = headdim ** -0.5 if softmax_scale is None else _as_float("softmax_scale", softmax_scale, allowed)
+    if not math.isfinite(softmax_scale):
+        _fail("softmax_scale", softmax_scale, allowed)
+    allowed = "expected a finite float (> 0 soft-caps; 0 or below disables it)"
+    softcap = _as_float("softcap", softcap, allowed)
+    if not math.isfinite(softcap):
+        _fail("softcap", softcap, allowed)
+    return softmax_scale, max(softcap, 0.0)
 
 
 def reject_unsupported(**features):
@@ -136,8 +198,8 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
                 or not used.is_contiguous():
             _fail(name, used if not isinstance(used, torch.Tensor) else f"tensor{tuple(used.shape)} {used.dtype}",
                   f"expected a contiguous int32 tensor of shape ({batch},)")
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = as_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = as_max_seqlen("max_seqlen_k", max_seqlen_k)
     check_device(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     if _host_checks(q):
         _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
@@ -153,9 +215,14 @@ def _check_cu_seqlens(name, cu):
         _fail(name, "non-contiguous", "expected a contiguous tensor")
 
 
-def _check_max_seqlen(name, m):
-    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-        _fail(name, m, "expected an int >= 0 (the longest sequence in the batch)")
+def as_max_seqlen(name, m):
+    """max_seqlen_q / max_seqlen_k as an int >= 0 (FA3 takes a Python or NumPy integer or a
+    one-element integer tensor: ``as_int``)."""
+    allowed = "expected an int >= 0 (the longest sequence in the batch)"
+    m = as_int(name, m, allowed)
+    if m < 0:
+        _fail(name, m, allowed)
+    return m
 
 
 def _host_checks(q) -> bool:
@@ -205,20 +272,22 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
     if varlen_q:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
         check_device(q, cu_seqlens_q)
-        _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        max_seqlen_q = as_max_seqlen("max_seqlen_q", max_seqlen_q)
         batch = cu_seqlens_q.shape[0] - 1
         if host:
             _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     else:
         batch = q.shape[0]
     if page_table is not None:
+        # FA3: one row per sequence, or with cache_batch_idx any number of rows, sequence b
+        # reading row cache_batch_idx[b]
+        rows = "rows" if cache_batch_idx is not None else f"batch={batch}"
         if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2 \
-                or page_table.shape[0] != batch or page_table.stride(-1) != 1:
+                or (page_table.shape[0] != batch and cache_batch_idx is None) or page_table.stride(-1) != 1 \
+                or (page_table.shape[0] == 0 and batch > 0):
             _fail("page_table", f"tensor{tuple(getattr(page_table, 'shape', ()))} {getattr(page_table, 'dtype', type(page_table).__name__)}",
-                  f"expected an int32 tensor (batch={batch}, pages per sequence) with a contiguous last dim")
+                  f"expected an int32 tensor ({rows}, pages per sequence) with a contiguous last dim")
         check_device(q, page_table)
-        if cache_batch_idx is not None:
-            _fail("cache_batch_idx", "a tensor", "not with page_table (the page table already maps each sequence to its blocks)")
         capacity = page_table.shape[1] * k_cache.shape[1]
         if host and page_table.numel():
             pt = page_table.cpu()
@@ -233,8 +302,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
         _check_index_vector("cache_batch_idx", cache_batch_idx, batch, q)
         if host and batch:
             c = cache_batch_idx.cpu()
-            if c.min().item() < 0 or c.max().item() >= k_cache.shape[0]:
-                _fail("cache_batch_idx", c.tolist(), f"expected values in [0, {k_cache.shape[0]}) (k_cache.shape[0])")
+            n, of = (page_table.shape[0], "page_table rows") if page_table is not None else (k_cache.shape[0], "k_cache.shape[0]")
+            if c.min().item() < 0 or c.max().item() >= n:
+                _fail("cache_batch_idx", c.tolist(), f"expected values in [0, {n}) ({of})")
     seqlen_new = 0
     if (k is None) != (v is None):
         _fail("k, v", ("a tensor" if k is not None else None, "a tensor" if v is not None else None),
@@ -258,9 +328,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
             used = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
             return None, used, capacity
         return None, None, capacity
-    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
-        _fail("cache_seqlens", type(cache_seqlens).__name__, "expected an int or an int32 tensor (batch,)", TypeError)
-    if isinstance(cache_seqlens, int):
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = as_int("cache_seqlens", cache_seqlens, "expected an int or an int32 tensor (batch,)")
+    if not isinstance(cache_seqlens, torch.Tensor):
         if not 0 <= cache_seqlens <= capacity - seqlen_new:
             _fail("cache_seqlens", cache_seqlens,
                   f"expected 0 <= cache_seqlens <= {capacity - seqlen_new} (cache rows {capacity} "
@@ -287,11 +357,10 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
 def check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch):
     """``flash_attn_with_kvcache``'s rotary tables: both or neither, (seqlen_ro, rotary_dim /
     2) each, rotary_dim <= the head dim, new keys given (they are what gets rotated into the
-    cache). Returns True when rotary embedding applies."""
+    cache). Returns True when rotary embedding applies. Without tables ``rotary_seqlens`` is
+    ignored, as FA3 ignores it."""
     if rotary_cos is None and rotary_sin is None:
-        if rotary_seqlens is not None:
-            _fail("rotary_seqlens", "a tensor", "needs rotary_cos and rotary_sin")
-        return False
+        return False  # rotary_seqlens is then ignored, as in FA3 (its tests pass it regardless)
     if rotary_cos is None or rotary_sin is None:
         _fail("rotary_cos, rotary_sin", ("a tensor" if rotary_cos is not None else None,
                                          "a tensor" if rotary_sin is not None else None), "pass both or neither")
