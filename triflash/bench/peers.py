@@ -16,13 +16,14 @@ import contextlib
 import importlib
 
 GPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic",
-             "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa2", "fa3", "fa4")
+             "triflash-sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa2", "fa3", "fa4")
 CPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "sdpa-math")
 # Loaded and timed in a worker process of their own unless --isolate says otherwise (CUDA
 # runs): importing FlashAttention-4 made every torch call in the process dearer
 # (benchmarks/NOTES.md, bb86392 item 4); FA2/FA3 are separate native packages as well.
-ISOLATED_BY_DEFAULT = ("fa2", "fa3", "fa4")
-SUBJECTS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic")  # what is under test: failures set the exit code
+# triflash-sdpa activates triflash as SDPA's flash backend for its whole process.
+ISOLATED_BY_DEFAULT = ("fa2", "fa3", "fa4", "triflash-sdpa")
+SUBJECTS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic", "triflash-sdpa")  # what is under test: failures set the exit code
 
 
 def _first(out):
@@ -131,6 +132,26 @@ class Sdpa(Impl):
         return self.sdpa_kernel(self.backend)
 
 
+class TriflashSdpa(Sdpa):
+    """F.scaled_dot_product_attention with triflash activated as its flash backend
+    (``torch.nn.attention.activate_flash_attention_impl("triflash")``): the SDPA route
+    against calling triflash directly. Activated once at load, for the whole process, so it
+    runs in a worker process of its own (ISOLATED_BY_DEFAULT)."""
+
+    def __init__(self, name="triflash-sdpa"):
+        super().__init__(name, "FLASH_ATTENTION")
+
+    def load(self):
+        super().load()
+        import triflash  # registers "triflash" with torch's registry
+        from torch.nn.attention import activate_flash_attention_impl
+        activate_flash_attention_impl("triflash")
+        self.tf = triflash
+
+    def version(self):
+        return getattr(self.tf, "__version__", None)
+
+
 class Flex(Impl):
     """torch.compile'd FlexAttention; causal/window as a block mask (bottom-right aligned)."""
 
@@ -217,6 +238,7 @@ def make_impl(name):
         "triflash-portable": lambda: Triflash("triflash-portable", "portable"),
         "triflash-varlen": lambda: TriflashVarlen("triflash-varlen"),
         "triflash-deterministic": lambda: Triflash("triflash-deterministic", deterministic=True),
+        "triflash-sdpa": lambda: TriflashSdpa(),
         "sdpa-flash": lambda: Sdpa("sdpa-flash", "FLASH_ATTENTION"),
         "sdpa-cudnn": lambda: Sdpa("sdpa-cudnn", "CUDNN_ATTENTION"),
         "sdpa-efficient": lambda: Sdpa("sdpa-efficient", "EFFICIENT_ATTENTION"),
