@@ -85,8 +85,12 @@ def test_spill_rules_are_justified():
 
 
 def test_spill_budget_entries_are_justified():
+    from triflash.versions import VALIDATED_TRITON
+    assert set(R.SPILL_BUDGET_BY_TRITON) <= set(VALIDATED_TRITON)
     known = {j.id for j in R.all_dispatch_configs()}
-    for job_id, entry in R.SPILL_BUDGET.items():
+    entries = list(R.SPILL_BUDGET.items())
+    entries += [e for by_id in R.SPILL_BUDGET_BY_TRITON.values() for e in by_id.items()]
+    for job_id, entry in entries:
         assert job_id in known, f"SPILL_BUDGET[{job_id!r}] names no dispatch configuration"
         assert isinstance(entry, tuple) and len(entry) == 2, f"SPILL_BUDGET[{job_id!r}]: (bytes, reason)"
         allowed, reason = entry
