@@ -814,4 +814,7 @@ def test_hopper_launch_plans_run(d, mask, monkeypatch):
     for seed in range(3):
         with triflash.force_backend("hopper"):
             check_attention(2, 1000, 1000, 8, 2, d, torch.bfloat16, causal, window, softcap, seed=seed)
-    assert any(plan.direct is not None for plan in hc._PLANS.values())
+    # past Triton's launcher wrapper on triton 3.6 (hopper.common._direct_launcher reads its
+    # closure); later releases build their launcher differently: plans call compiled.run
+    from triflash.versions import triton_release
+    assert any(plan.direct is not None for plan in hc._PLANS.values()) == (triton_release() == "3.6")

@@ -354,4 +354,22 @@ def test_gpu_bf16_logits_grads_generate(head_dim):
     _check_grads(models, input_ids=ids, labels=ids)  # dense
     prompt, pmask = ids[:, :64], torch.ones_like(ids[:, :64])
     pmask[1, :20] = 0
-    assert torch.equal(_greedy(tri, prompt, pmask, 32)[0], _greedy(low, prompt, pmask, 32)[0])
+    _assert_same_greedy(_greedy(tri, prompt, pmask, 32), _greedy(low, prompt, pmask, 32))
+
+
+def _assert_same_greedy(got, want):
+    """Greedy tokens equal, unless at the first step where they part the reference's own two
+    candidates were a near tie: their score gap within twice the largest difference between
+    the two implementations' scores at that step (both continue the same prefix there), a
+    choice that the low precision's rounding makes, not the attention."""
+    (tokens, scores), (ref_tokens, ref_scores) = got, want
+    for b in range(tokens.shape[0]):
+        parted = (tokens[b] != ref_tokens[b]).nonzero()
+        if len(parted) == 0:
+            continue
+        t = parted[0].item()
+        s, ref = scores[b, t].float(), ref_scores[b, t].float()
+        gap = (ref[ref_tokens[b, t]] - ref[tokens[b, t]]).item()
+        noise = (s - ref).abs().max().item()
+        assert gap <= 2 * noise, (f"sequence {b} parts from the reference at token {t} where the reference's "
+                                  f"choice led by {gap} (scores differ by at most {noise}): not a near tie")
