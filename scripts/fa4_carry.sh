@@ -25,7 +25,7 @@ du -sh .whl .fa4/libs-cu13.tar.xz
 cat <<'MSG'
 Device calls (the second within 30 s of the first, same machine; the tree travels with each
 call, so tracked files must stay under ~3.5 MB beside the 63.5 MB tarball: older runs keep
-their JSON only). Used at bb86392 (benchmarks/NOTES.md):
+their JSON only). Used at bb86392 (benchmarks/NOTES.md at fb45c0d, section bb86392):
   1. carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
        (plus anything that needs no FA4, e.g. PARTS=tests bash scripts/gpu_run.sh COMMIT $OUT)
   2. carry [".fa4"]:  tar -xJf .fa4/libs-cu13.tar.xz -C /tmp/site && \

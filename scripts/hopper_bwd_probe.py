@@ -1,4 +1,4 @@
-"""H200 probe of the draft Hopper (Gluon) backward, triflash/kernels/hopper/bwd.py: gradients
+"""H200 probe of the Hopper (Gluon) backward, triflash/kernels/hopper/bwd.py: gradients
 against the fp32 reference, then backward speed beside the portable backward and SDPA-cuDNN.
 
     python scripts/hopper_bwd_probe.py check|speed|rounds [--out DIR] [--deterministic]
@@ -198,7 +198,8 @@ def paths(args):
     a warm-up: per call the kernels (name, count, CUDA ms), their sum, and the span from the
     first kernel's start to the last one's end (a span longer than the sum: the GPU waited
     between kernels). Answers whether the two triflash paths run the same kernels for the
-    same time (docs/hopper-tier.md section 7 item 0)."""
+    same time (at 2x8192x16x128 they did, within 0.5%: ``benchmarks/NOTES.md`` at fb45c0d,
+    section cd9e2c6, item 3)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triflash.kernels.hopper import bwd as hbwd

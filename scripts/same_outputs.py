@@ -1,7 +1,7 @@
 """Does a forward option change the outputs? (H200; one device-call step, ~1 minute.)
 
-Options that only move instructions or barriers (session 21's ``pv_overlap`` and
-``thread_arrives``, measured and removed: configs.HopperFwdConfig) must give the dispatched
+Options that only move instructions or barriers (e.g. ``pv_overlap`` and ``thread_arrives``,
+measured and not kept: docs/performance.md) must give the dispatched
 kernels' outputs bit for bit. For each head dim (64, 128, 256),
 causal and not, odd lengths (GQA 8 / 2 heads, seqlen_q 1000, seqlen_k 1537): O and LSE with
 the dispatched tile, then with each override spec (as ``hopper_probe.py --config``);

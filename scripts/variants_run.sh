@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# One device call that measures tile options against the dispatched tiles (session 14:
-# packed_cvt everywhere, tma_epilogue and reg_a=1 in the head-dim-256 dK/dV kernel; the
-# variants are --config specs, '' = as dispatched):
+# One device call that measures tile options against the dispatched tiles (the variants
+# are --config specs, '' = as dispatched):
 # their GPU tests first, then forward and backward variants in interleaved rounds beside
 # cuDNN. Each step under its own timeout; results under OUT_DIR.
 # Usage (repo root, on the H200):  [STEPS="tests same bwd256 bwd128 bwd64 fwd steps fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
@@ -46,7 +45,7 @@ has fwd && step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rou
 has steps && step steps "${T_STEPS:-200}" bash -c "python3 scripts/bwd_timeline.py --steps --cases 2x8192x32x64 \
   --out $OUT_DIR && python3 scripts/bwd_timeline.py --steps --cases 2x8192x16x128 --points 0,7 --out $OUT_DIR \
   && python3 scripts/bwd_timeline.py --steps --cases 2x8192x16x128 --points 0,3,5,7 --out $OUT_DIR"
-# the dK/dV kernel's per-CTA fixed cost (docs/hopper-tier.md section 7 item 1)
+# the dK/dV kernel's per-CTA fixed cost (scripts/bwd_breakdown.py --fixed-cost)
 # (its log to stdout only: with its JSON that makes the 8th file)
 has fixed && timeout "${T_FIXED:-120}" python3 scripts/bwd_breakdown.py --fixed-cost --out "$OUT_DIR"
 # PACK=1: everything in one archive (the device brings back 8 files at most)

@@ -145,7 +145,7 @@ def test_hopper_bwd_padded_head_dims_strided(d):
 @pytest.mark.option
 def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
     """The dispatched tiles' ``packed_cvt`` (``hopper.common.to_16bit``: 16-bit P / dS two at
-    a time, on since session 13) gives the bits of LLVM's one-at-a-time conversions: they
+    a time, on) gives the bits of LLVM's one-at-a-time conversions: they
     round alike, and a pair landing in the wrong half of its register would change them; so
     does the head-dim-256 dK/dV kernel's ``tma_epilogue`` those of its register stores.
     Forward (out, lse) and deterministic backward."""
@@ -203,8 +203,8 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 
 
 # Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
-# dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128 since
-# session 15, here off), and flipped from the dispatched value: ``tree_max`` (each row's max
+# dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128, here
+# off), and flipped from the dispatched value: ``tree_max`` (each row's max
 # of S by a tree: max is exact, so the same maxima), ``pingpong`` (64: the three
 # consumers taking turns round robin; 128 / 256 with or without turns), ``named_turns`` (the
 # turns on named barriers) and, at 256, ``persistent_unmasked`` (unmasked tiles walked by one
@@ -275,7 +275,7 @@ def test_hopper_fwd_warp_skip_same_bits(d, threshold, mask, shape, monkeypatch):
 @pytest.mark.option
 def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
     """``own_blocks`` (each consumer warpgroup computes only the key blocks its own 64 rows
-    see, masked only where they need it; dispatched at head dim 64 since session 18) leaves
+    see, masked only where they need it; dispatched at head dim 64) leaves
     out blocks whose every probability is exactly 0 and masks that keep every score: out
     and lse keep the bits of the tile-wide range. With softcap an unmasked block's
     ``softcap * tanh - max`` contracts into one FMA where a masked one rounds twice, so
@@ -300,8 +300,8 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 
 
 # Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
-# previous block's factor before P V is issued; dispatched at 64 / 128 since session 20, at
-# 256 without a mask since session 21: here at every tile and mask), and flipped from the
+# previous block's factor before P V is issued; dispatched at 64 / 128, at 256 without a
+# mask: here at every tile and mask), and flipped from the
 # dispatched value (configs.flipped): ``sum_partial`` (each row's running sum kept as
 # per-thread partials, added across the quad once per tile) and ``rescale_threshold`` at
 # 192 / 256 (a row's stale max kept below a rise of 8); ``split_keys`` 2; ``warp_skip`` (O's
@@ -425,8 +425,8 @@ def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch)
 
 # Backward options (HopperBwdConfig), each flipped from its dispatched value: ``dq_lag``
 # (each query block's dQ added one block later, four dS^T slots, a zero block first;
-# dispatched at 64 since session 20) and ``dq_early`` (dQ's wgmmas before dK's, dQ reduced
-# while dK runs; dispatched at 64 and 128 since session 22).
+# dispatched at 64) and ``dq_early`` (dQ's wgmmas before dK's, dQ reduced while dK runs;
+# dispatched at 64 and 128).
 BWD_DQ_OPTIONS = ("dq_lag", "dq_early")
 
 

@@ -4,9 +4,9 @@ fa2 / fa3 / fa4 on CUDA).
 Why: importing a peer can change the cost of every torch call in the process. With
 FlashAttention-4 (CuTe DSL, tvm-ffi) imported, the host time per call of cuDNN's forward at
 1k-2k tokens rose from 0.09 to 0.136 ms and triflash's host-bound 1k rows dropped by up to a
-third (benchmarks/NOTES.md, bb86392 item 4). A training or serving process runs one
-attention library, not several, so an isolated peer is loaded, made and timed in a
-``spawn``ed worker that imports no other implementation.
+third (``benchmarks/NOTES.md`` at fb45c0d, section bb86392, item 4). A training or serving
+process runs one attention library, not several, so an isolated peer is loaded, made and
+timed in a ``spawn``ed worker that imports no other implementation.
 
 Nothing else changes: the parent makes the inputs and the fp32 reference once per case and
 hands the worker the same tensors (torch.multiprocessing shares them: CUDA IPC on the GPU,

@@ -20,8 +20,9 @@ GPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deter
 CPU_IMPLS = ("triflash", "triflash-portable", "triflash-varlen", "sdpa-math")
 # Loaded and timed in a worker process of their own unless --isolate says otherwise (CUDA
 # runs): importing FlashAttention-4 made every torch call in the process dearer
-# (benchmarks/NOTES.md, bb86392 item 4); FA2/FA3 are separate native packages as well.
-# triflash-sdpa activates triflash as SDPA's flash backend for its whole process.
+# (docs/performance.md; ``benchmarks/NOTES.md`` at fb45c0d, section bb86392, item 4);
+# FA2/FA3 are separate native packages as well. triflash-sdpa activates triflash as SDPA's
+# flash backend for its whole process.
 ISOLATED_BY_DEFAULT = ("fa2", "fa3", "fa4", "triflash-sdpa")
 SUBJECTS = ("triflash", "triflash-portable", "triflash-varlen", "triflash-deterministic", "triflash-sdpa")  # what is under test: failures set the exit code
 

@@ -252,9 +252,9 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
 
 # Sequence lengths (and the lse strides derived from seqlen_q) are not specialized: with
 # head dim 96 (BLOCK_D 128) and seqlen_q a multiple of 16, the variant Triton 3.6 builds for
-# sm90 faulted with "misaligned address" on the H200 (scripts/fault_repro.py,
-# benchmarks/results/gpu-tests-5387ddb.txt.gz); the unspecialized variant is the one that ran
-# correctly for seqlen_q 113, 239, 799.
+# sm90 faulted with "misaligned address" on the H200 (scripts/fault_repro.py;
+# ``benchmarks/results/gpu-tests-5387ddb.txt.gz`` at fb45c0d); the unspecialized variant is
+# the one that ran correctly for seqlen_q 113, 239, 799.
 @triton.jit(do_not_specialize=["stride_lseb", "stride_lseh", "seqlen_q", "seqlen_k", "total_q", "total_k"])
 def bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,

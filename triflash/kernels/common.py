@@ -149,10 +149,11 @@ def persistent_schedule(num_bh: int, num_m_blocks: int, section_heads: int, len_
 PIECE_OVERHEAD = 2
 # ... and the least saving, as a fraction of the launch's estimated time, for which it cuts
 # tiles at all: the merge's launch and the pieces' walk cost more than that estimate says.
-# Measured on the H200 (benchmarks/NOTES.md 3afe79e): in five interleaved rounds beside the
-# uncut walk, 2x8192x16x128 (estimate 2.5%) 643.5 -> 651.7 TFLOPS and 2x8192x8x256 (2.5%)
-# 674.3 -> 687.6, the seed (2.8%) 698.4 / 694.3, 4x4096x16x128 (2.0%) 624.3 / 625.7; in the
-# complete run of 3afe79e, which cut at any saving, the rows estimated at 2.0% or less
+# Measured on the H200 (``benchmarks/NOTES.md`` at fb45c0d, section 3afe79e): in five
+# interleaved rounds beside the uncut walk, 2x8192x16x128 (estimate 2.5%) 643.5 -> 651.7
+# TFLOPS and 2x8192x8x256 (2.5%) 674.3 -> 687.6, the seed (2.8%) 698.4 / 694.3,
+# 4x4096x16x128 (2.0%) 624.3 / 625.7; in the complete run of 3afe79e, which cut at any
+# saving, the rows estimated at 2.0% or less
 # (4x4096 and 8x2048 at 128 and 256) lost 0.7-3.3% of their ratio to cuDNN against
 # c0c4f9a's run, while rows cut in neither run gained 1.6-2.1% between the two runs
 SPLIT_MIN_SAVING = 0.0225

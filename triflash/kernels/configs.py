@@ -2,8 +2,16 @@
 
 Keys are head-dim buckets (the padded power-of-two head dim the kernel computes with).
 Each sm90 entry says what chose it; numbers come from ``scripts/sweep.py`` on the H200
-(results in ``benchmarks/results/``), and every entry must pass the sm_90a compile check
-(``tests/test_sm90_resources.py``: shared memory <= 232448 bytes, no spills).
+(results in ``benchmarks/results/``) and from interleaved timing rounds
+(``scripts/hopper_probe.py``, ``scripts/hopper_bwd_probe.py``), and every entry must pass the
+sm_90a compile check (``tests/test_sm90_resources.py``: shared memory <= 232448 bytes, no
+spills).
+
+Measurements: TFLOPS non-causal / causal on one H200, bf16, five interleaved rounds unless
+said; "seed" is 1x8192x36x256, other cases batch x seqlen x heads (x head dim). A file
+cited as ``probes/NAME at fb45c0d`` is ``benchmarks/results/probes/NAME`` at commit fb45c0d
+(``git show fb45c0d:benchmarks/results/probes/NAME``). Options measured and not kept:
+docs/performance.md, "Tried and not kept".
 """
 import dataclasses
 from dataclasses import dataclass
@@ -42,16 +50,16 @@ class HopperFwdConfig:
     """Gluon sm90 forward (kernels/hopper/fwd.py): 2 consumer warpgroups x 64 query rows,
     one TMA loader warp; K/V rings of ``stages`` slots of ``block_n`` keys (a power of two:
     Gluon's tiles and TMA boxes. FA3 / FA4's 80-key tile at 256, built as 64 + 16 keys with
-    two wgmmas per product in session 27, ran 7-14% slower and 144 at 128 11% slower,
-    probes/probe-rounds-blockn-afe7177.json: removed in session 28)."""
+    two wgmmas per product, ran 7-14% slower and 144 at 128 11% slower:
+    docs/performance.md)."""
     block_n: int
     stages: int
     num_consumers: int = 2
     # consumers take turns issuing wgmmas (FA3's scheduler barrier; three consumers in a round
-    # robin, as FA4's head-dim-64 forward: at 64 in SM90_HOPPER_FWD (session 25) with tree_max
-    # and sum_partial, the three together 510.6 -> 525.5 / 484.7 -> 493.0 TFLOPS on
-    # 2x8192x32x64 in five interleaved rounds, probes/probe-rounds-95960bf.json, where the
-    # same kernel measured twice gave 510.6 and 519.3 / 484.7 and 491.9)
+    # robin, as FA4's head-dim-64 forward: at 64 in SM90_HOPPER_FWD with tree_max and
+    # sum_partial, the three together 510.6 -> 525.5 / 484.7 -> 493.0 on 2x8192x32x64,
+    # probes/probe-rounds-95960bf.json at fb45c0d, where the same kernel measured twice gave
+    # 510.6 and 519.3 / 484.7 and 491.9)
     pingpong: bool = False
     # the turns on named barriers (``bar.sync`` to take one, ``bar.arrive`` to pass it on: FA3
     # / FA4's warp scheduler barriers) instead of mbarriers (a polled wait, and an arrive by
@@ -59,62 +67,52 @@ class HopperFwdConfig:
     # outputs, bit for bit.
     named_turns: bool = False
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
-    # wgmma; the same values). On since session 13: in interleaved rounds on the H200
-    # (probes/probe-rounds-packed-8ce1f2a.json, non-causal / causal TFLOPS, off -> on) 64
-    # 464.1 -> 503.4 / 430.7 -> 451.6, 128 621.6 -> 639.3 / 575.9 -> 595.1, seed 256
-    # 649.8 -> 674.4 / 630.7 -> 645.3, 16x1024x16x128 536.9 -> 553.4 / 404.0 -> 420.7.
+    # wgmma; the same values). On: off -> on in interleaved rounds
+    # (probes/probe-rounds-packed-8ce1f2a.json at fb45c0d) 64 464.1 -> 503.4 / 430.7 ->
+    # 451.6, 128 621.6 -> 639.3 / 575.9 -> 595.1, seed 649.8 -> 674.4 / 630.7 -> 645.3,
+    # 16x1024x16x128 536.9 -> 553.4 / 404.0 -> 420.7.
     packed_cvt: bool = True
-    # (Measured and removed in session 14: one exponential in every 4 / 8 on the FMA units by
-    # a degree-4 polynomial instead of the MUFU, ``exp2_emu``; slower at every head dim, e.g.
-    # 2x8192x32x64 506.9 -> 451.6 / 479.8, seed 673.1 -> 631.7 / 662.5 TFLOPS:
-    # probes/fwd-rounds-exp2emu-944291a.txt.)
+    # (Not kept: ``exp2_emu``, one exponential in every 4 / 8 by a polynomial on the FMA
+    # units instead of the MUFU, slower at every head dim: docs/performance.md.)
     # Q held in registers as the A operand of every S = Q K^T wgmma instead of read from
     # shared memory by each (2 of the 6 KB an m64n128k16 reads), the shared-memory arithmetic
-    # that made ``HopperBwdConfig.reg_a`` pay in the backward. Measured (session 15, five
-    # interleaved rounds, probes/fwd-rounds-q_regs-3c9fc25.json, TFLOPS non-causal / causal,
-    # off -> on): 128 2x8192x16 642.4 -> 643.0 / 598.2 -> 613.6, 16x1024x16 565.5 -> 571.0 /
-    # 430.2 -> 429.3: dispatched at 128; 64 (three consumers) 514.2 -> 492.2 / 453.2 ->
-    # 452.6 and 256 (spills 1.2-2 KB) 685.6 -> 359.1 / 652.0 -> 345.8: not there.
+    # that made ``HopperBwdConfig.reg_a`` pay in the backward. Measured (off -> on,
+    # probes/fwd-rounds-q_regs-3c9fc25.json at fb45c0d): 128 2x8192x16 642.4 -> 643.0 /
+    # 598.2 -> 613.6, 16x1024x16 565.5 -> 571.0 / 430.2 -> 429.3: dispatched at 128; 64
+    # (three consumers) 514.2 -> 492.2 / 453.2 -> 452.6 and 256 (spills 1.2-2 KB) 685.6 ->
+    # 359.1 / 652.0 -> 345.8: not there.
     q_regs: bool = False
-    # (Measured and removed in session 24, five interleaved rounds, probes/probe-rounds-
-    # 45e3866.json, TFLOPS non-causal / causal, dispatched -> option: Q's first 128 columns in
-    # registers at 256, S as two chained wgmmas, ``q_reg_cols``, seed 673.1 -> 659.5 / 638.1
-    # -> 634.4; V's ring a slot deeper than K's, ``v_stages``, seed 670.6 / 646.6, 128 634.2
-    # -> 633.1 / 600.9 -> 599.7, the dispatched 128 tile measured twice in the same rounds
-    # 629.9 / 598.6; both together 676.0 / 644.9: inside the rounds' spread.)
+    # (Not kept: ``q_reg_cols``, Q's first 128 columns in registers at 256 with S as two
+    # chained wgmmas, and ``v_stages``, V's ring a slot deeper than K's: no gain beyond the
+    # rounds' spread, docs/performance.md.)
     # Each consumer visits only the key blocks its own 64 rows see (``common.n_block_range``
     # of those rows) and masks only where they need it; the tile's other blocks it merely
     # waits for and releases (``hopper.fwd._own_blocks``). Under causal / window masks a
     # 192-row tile with 128-key blocks (head dim 64, three consumers) computes ~1.5 blocks
     # per tile that one of its consumers cannot see, and rows all past the sequence (the
-    # last tile of 8192 rows) compute nothing; 64's kernels spill nothing with it (648 / 336 B
-    # before). Measured (session 18, five interleaved rounds, TFLOPS off -> on, every head
-    # dim on then: probes/fwd-rounds-own_blocks-aac5c09+.json): 64 2x8192x32 499.8 -> 507.4
-    # / 461.3 -> 483.1 (cuDNN 450.5 / 427.6): dispatched at 64. 128 2x8192x16 630.3 -> 620.8
-    # / 602.1 -> 599.6, seed 256 681.2 -> 677.1 / 647.8 -> 644.6 (a 128-row tile skips at
-    # most one 64-key block per consumer): not there (off compiles to the kernels before).
+    # last tile of 8192 rows) compute nothing; 64's kernels spill nothing with it. Measured
+    # (off -> on at every head dim, probes/fwd-rounds-own_blocks-aac5c09+.json at fb45c0d):
+    # 64 2x8192x32 499.8 -> 507.4 / 461.3 -> 483.1 (cuDNN 450.5 / 427.6): dispatched at 64.
+    # 128 2x8192x16 630.3 -> 620.8 / 602.1 -> 599.6, seed 681.2 -> 677.1 / 647.8 -> 644.6
+    # (a 128-row tile skips at most one 64-key block per consumer): not there.
     own_blocks: bool = False
-    # (Measured and removed in session 18: the last, partial round of an unmasked launch's
-    # tiles split along the keys into 2-4 pieces, fp32 parts summed by a combine kernel,
-    # ``tail_pieces``, from the count of rounds alone: the seed's 2304 tiles on 132 SMs end
-    # after 17.5 rounds instead of 18. Five interleaved rounds, TFLOPS off -> on: seed 670.9
-    # -> 659.4, 2x8192x16x128 625.3 -> 617.9 (probes/fwd-rounds-tail_pieces-564e333+.json):
-    # CTAs finish at staggered times, so the last round is not the idle block that the count
-    # of rounds suggests, and the pieces' restarts and the combine cost more than it leaves.)
+    # (Not kept: ``tail_pieces``, the last, partial round of an unmasked launch's tiles split
+    # into 2-4 pieces by the count of rounds alone: CTAs finish at staggered times, so that
+    # round is not the idle block the count suggests; slower, docs/performance.md.)
     # O rescaled by the previous block's factor while the block's S = Q K^T wgmma runs, just
     # before O += P V is issued (FA3's order at head dims above 128), instead of after the P V
     # wgmma retires and before the next block's S is issued (where the 64 x 256 multiply at
-    # 256 sits between this warpgroup's wgmmas). Measured (session 19, five interleaved
-    # rounds beside cuDNN, probes/probe-rounds-23cee87.json, TFLOPS off -> on): 64
-    # 2x8192x32 509.1 -> 512.5 / 478.6 -> 485.6, 128 2x8192x16 627.5 -> 634.3 / 586.3 ->
-    # 603.2, 16x1024x16 549.9 -> 556.8 / 411.2 -> 416.9; 256 seed 671.4 -> 674.1 / 650.2 ->
-    # 644.8. Dispatched at 64 and 128 (session 20: again 515.1 -> 513.1 / 483.6 -> 488.1 at
-    # 64, 622.5 -> 634.7 / 584.0 -> 606.2 at 128, probes/probe-rounds-ac47225.json).
+    # 256 sits between this warpgroup's wgmmas). Measured (off -> on, beside cuDNN,
+    # probes/probe-rounds-23cee87.json at fb45c0d): 64 2x8192x32 509.1 -> 512.5 / 478.6 ->
+    # 485.6, 128 2x8192x16 627.5 -> 634.3 / 586.3 -> 603.2, 16x1024x16 549.9 -> 556.8 /
+    # 411.2 -> 416.9; 256 seed 671.4 -> 674.1 / 650.2 -> 644.8. Dispatched at 64 and 128
+    # (a second set of rounds: 515.1 -> 513.1 / 483.6 -> 488.1 at 64, 622.5 -> 634.7 /
+    # 584.0 -> 606.2 at 128, probes/probe-rounds-ac47225.json at fb45c0d).
     rescale_early: bool = False
     # ``rescale_early`` where the launch has no causal / window mask and no softcap (dense or
     # varlen): at 256 it measured faster without a mask and slower with one (seed 671.4 ->
-    # 674.1 / 650.2 -> 644.8 in session 19, 670.6 -> 681.2 / 638.5 -> 633.9 in session 20,
-    # probes/probe-rounds-{23cee87,ac47225}.json). Dispatched at 256 in session 21.
+    # 674.1 / 650.2 -> 644.8, then 670.6 -> 681.2 / 638.5 -> 633.9,
+    # probes/probe-rounds-{23cee87,ac47225}.json at fb45c0d). Dispatched at 256.
     rescale_early_unmasked: bool = False
     # A row keeps its running max unless a block raises it by more than this many log2 units
     # (0: the exact running max, every block rescales O): its p are then at most 2^threshold
@@ -125,11 +123,10 @@ class HopperFwdConfig:
     # Only where O is rescaled after P V retires (not ``rescale_early``), unless decided per
     # warp (``warp_skip``): the warpgroup-wide min between S's issue and P V's costs more
     # than it saves there.
-    # Measured (session 24, five interleaved rounds beside cuDNN, probes/probe-rounds-
-    # 6393090.json, TFLOPS off -> 8.0): seed causal (late rescale) 651.8 -> 670.1, every
-    # round above; with the early rescale seed non-causal 679.8 -> 639.5, 128 640.0 -> 640.6
-    # / 613.3 -> 608.3, 64 516.7 -> 451.0 / 493.9 -> 447.6. Dispatched at 256 (session 26;
-    # tried at dea81e9 and 025f171 before, benchmarks/NOTES.md).
+    # Measured (off -> 8.0, beside cuDNN, probes/probe-rounds-6393090.json at fb45c0d): seed
+    # causal (late rescale) 651.8 -> 670.1, every round above; with the early rescale seed
+    # non-causal 679.8 -> 639.5, 128 640.0 -> 640.6 / 613.3 -> 608.3, 64 516.7 -> 451.0 /
+    # 493.9 -> 447.6. Dispatched: 8.0 at 64 / 128 / 256, with ``warp_skip``.
     rescale_threshold: float = 0.0
     # ``_rescale``'s decision per warp instead of per warpgroup: each warp holds 16 of the
     # warpgroup's 64 rows of O, so a ``vote.any`` over its rows' alpha != 1 and a uniform
@@ -137,38 +134,31 @@ class HopperFwdConfig:
     # with no cross-warp reduction (the warpgroup-wide min: two BAR.SYNC per key block). It
     # applies with the early rescale too, and with the exact running max (threshold 0) O
     # is skipped where no row of the warp raised its max (alpha = exp2(0) = 1): the same
-    # bits as the unconditional multiply. Measured (session 29, five interleaved rounds,
-    # probes/probe-rounds-0919854.json, TFLOPS non-causal / causal, dispatched -> on -> on
-    # with the threshold 8.0): 64 517.9 -> 521.4 -> 534.2 / 494.3 -> 494.9 -> 496.5, 128
-    # 646.9 -> 637.0 -> 654.1 / 615.8 -> 600.8 -> 623.7, seed (threshold 8.0 already) 694.9 ->
-    # 722.0 / 674.1 -> 685.4. Dispatched with 8.0 at 64 / 128 / 256 (session 29).
+    # bits as the unconditional multiply. Measured (off -> on -> on with the threshold 8.0,
+    # probes/probe-rounds-0919854.json at fb45c0d): 64 517.9 -> 521.4 -> 534.2 / 494.3 ->
+    # 494.9 -> 496.5, 128 646.9 -> 637.0 -> 654.1 / 615.8 -> 600.8 -> 623.7, seed (threshold
+    # 8.0 in both) 694.9 -> 722.0 / 674.1 -> 685.4. Dispatched with 8.0 at 64 / 128 / 256.
     warp_skip: bool = False
     # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
     # one FMNMX chain through all of the thread's 32 (128 keys) or 16 columns of the row,
     # whose latency sits between S's wait and the first exponential (FA4 keeps 4 chains).
-    # The same maxima, bit for bit. Alone (session 25, probes/probe-rounds-95960bf.json):
-    # 64 510.6 -> 513.1 / 484.7 -> 492.0, 128 642.7 -> 638.6 / 602.5 -> 612.2, seed 694.0 ->
-    # 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD (with sum_partial and the
-    # round-robin turns).
+    # The same maxima, bit for bit. Alone (off -> on, probes/probe-rounds-95960bf.json at
+    # fb45c0d): 64 510.6 -> 513.1 / 484.7 -> 492.0, 128 642.7 -> 638.6 / 602.5 -> 612.2,
+    # seed 694.0 -> 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD (with sum_partial and
+    # the round-robin turns).
     tree_max: bool = False
     # Each row's running sum l kept as per-thread partial sums over the thread's own columns
     # (a tree, no shuffles) and added across the quad once per tile, not every block (FA4's
     # Hopper softmax): two shuffles and two adds fewer per row and block, other rounding.
-    # Measured (session 25, five interleaved rounds, probes/probe-rounds-95960bf.json,
-    # TFLOPS off -> on): seed 694.0 -> 693.6 / 667.7 -> 675.4, 128 642.7 -> 648.6 / 602.5 ->
-    # 611.1, 64 510.6 -> 520.2 / 484.7 -> 475.7. Dispatched at 64 / 128 / 256 (session 26).
+    # Measured (off -> on, probes/probe-rounds-95960bf.json at fb45c0d): seed 694.0 -> 693.6
+    # / 667.7 -> 675.4, 128 642.7 -> 648.6 / 602.5 -> 611.1, 64 510.6 -> 520.2 / 484.7 ->
+    # 475.7. Dispatched at 64 / 128 / 256.
     sum_partial: bool = False
-    # (Measured and removed in session 21, five interleaved rounds, TFLOPS non-causal / causal,
-    # dispatched -> option, probes/probe-rounds-e97395a.json and same.txt / fwd.txt in
-    # probes/variants-e97395a.tar.gz: ``thread_arrives``, every consumer thread arriving on
-    # the K / V free and turn barriers (cp.async.mbarrier.arrive.noinc, no bar.sync around
-    # it: 4 -> 2 BAR.SYNC per key block), 64 507.7 -> 494.2 / 478.2 -> 482.2, 128 640.9 ->
-    # 613.1 / 607.5 -> 594.6, seed 671.9 -> 655.0 / 641.8 -> 615.4; ``pv_overlap``, a basic-
-    # block split before each P V wait so that ptxas keeps the exponentials above it (SASS:
-    # 0 -> 66 of 66 issued under the in-flight P V wgmma at 128), 64 448.9 / 427.6, 128 631.3
-    # / 599.7, seed 650.7 / 620.6; both 452.4 / 421.9, 635.1 / 601.1, 646.9 / 618.2. Both
-    # gave the dispatched outputs bit for bit. docs/hopper-tier.md section 7 item 4.)
+    # (Not kept, slower though the outputs were the same bits: ``thread_arrives``, every
+    # consumer thread arriving on the K / V free and turn barriers (4 -> 2 BAR.SYNC per key
+    # block), and ``pv_overlap``, a basic-block split that keeps the exponentials under the
+    # in-flight P V wgmma: docs/performance.md.)
     persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
     # persistent only where every tile has the same length (dense, no causal / window mask)
     persistent_unmasked: bool = False
@@ -204,9 +194,10 @@ class HopperBwdConfig:
     atomic_dq: bool = False
     atomic_stages: int = 2
     # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py) with ``dq_block_n``-key K/V tiles
-    # in ``dq_stages``-deep rings (every dispatched tile since session 4: backward at 128
-    # 509.6 / 468.6 TFLOPS against 445.2 / 402.7 with the Triton dQ kernel, probes
-    # hopper-bwd-speed-gluon_dq1*-8151f01.json); False: the Triton dQ kernel.
+    # in ``dq_stages``-deep rings (every dispatched tile: backward at 128 509.6 / 468.6
+    # against 445.2 / 402.7 with the Triton dQ kernel in an earlier run,
+    # probes/hopper-bwd-speed-{gluon_dq1-8151f01,stages4-18c10c4}.json at fb45c0d); False:
+    # the Triton dQ kernel.
     gluon_dq: bool = False
     dq_block_n: int = 64
     dq_stages: int = 2
@@ -216,12 +207,12 @@ class HopperBwdConfig:
     # shared-memory bytes per multiply-add than 32-key ones (Q and dO, the wgmmas' A
     # operands, once per 64 keys: 160 KB per warpgroup and 64 keys against 2 x 112 KB), and
     # 2 K + 1 V slots fit (229680 B) where 2 K + 2 V do not (262448 B). Varlen batches keep
-    # ``dq_block_n`` unless ``dq_split_v_varlen`` (session 23; a varlen sequence's length is
-    # clamped at 0, so the kernel takes its opaque zero from the ``seqlen_q`` argument, and
-    # spills 16-28 B, none in its loops). Measured (five interleaved rounds, the batch packed
-    # as varlen, probes/bwd-probe-rounds-d256-varlen-1606532.json, TFLOPS off -> on): seed
-    # 446.6 -> 445.1 / 424.1 -> 430.3, 16x1024x8 340.9 -> 339.2 / 248.9 -> 251.5; its GPU
-    # tests passed (probes/variants-tests-1606532.txt). Off until a complete run with it.
+    # ``dq_block_n`` unless ``dq_split_v_varlen`` (a varlen sequence's length is clamped at
+    # 0, so the kernel takes its opaque zero from the ``seqlen_q`` argument, and spills
+    # 16-28 B, none in its loops). Measured (off -> on, the batch packed as varlen,
+    # probes/bwd-probe-rounds-d256-varlen-1606532.json at fb45c0d): seed 446.6 -> 445.1 /
+    # 424.1 -> 430.3, 16x1024x8 340.9 -> 339.2 / 248.9 -> 251.5; its GPU tests passed
+    # (probes/variants-tests-1606532.txt at fb45c0d). Off: not yet in a complete run.
     dq_split_v: int = 0
     dq_split_v_varlen: bool = False
     # Under causal / window masks each consumer warpgroup of the dQ kernel computes only the
@@ -229,51 +220,43 @@ class HopperBwdConfig:
     # they need it, merely waiting for and releasing the tile's other slots (the forward's
     # ``own_blocks``; ``hopper/bwd_dq.py`` OWN_BLOCKS). Causal, 64-key tiles: consumer 0 of
     # a 128-row tile skips one of the tile's two diagonal blocks, 1.5% of its blocks at 8k
-    # and 11% at 1k, and each consumer masks one block instead of two. Session 23: built,
-    # compile-checked, GPU test written; not yet run or measured.
+    # and 11% at 1k, and each consumer masks one block instead of two. Compile-checked; its
+    # GPU test (``test_hopper_bwd_dq_own_blocks``) not yet run, nor the option measured: off.
     dq_own_blocks: bool = False
     # The separate dQ kernel (head dim 256, deterministic=True, varlen) launched on a side
     # stream right after the dK/dV kernel instead of after it on the caller's stream: the
     # two read the same inputs and write different outputs, so the dQ kernel's CTAs fill
     # the SMs that the dK/dV kernel's last, partial wave leaves idle (and its ramp-down);
-    # the caller's stream waits for both. Measured (session 22, five interleaved rounds
-    # beside cuDNN, probes/bwd-probe-rounds-d256-146cd3e.json, TFLOPS medians off -> on):
-    # seed 441.6 -> 444.5 / 431.9 -> 427.8, 16x1024x8 375.9 -> 379.1 / 295.1 -> 302.4: no
-    # gain at the seed causal, the case issue #5 still needs; off.
+    # the caller's stream waits for both. Measured (medians off -> on, beside cuDNN,
+    # probes/bwd-probe-rounds-d256-146cd3e.json at fb45c0d): seed 441.6 -> 444.5 / 431.9 ->
+    # 427.8, 16x1024x8 375.9 -> 379.1 / 295.1 -> 302.4: no gain at the seed causal; off.
     dq_stream: bool = False
-    # (Persistent dQ and head-dim-256 dK/dV kernels, walking tiles on the host's
-    # longest-first schedule under a mask, were built in session 10 and measured in session
-    # 11: correct, within noise of one CTA per tile (seed 424.5 -> 425.7 / 424.0 TFLOPS,
-    # causal 413.6 -> 412.0 / 411.0; probes/bwd-probe-*-d256-persistent-d3c2227.json), then
-    # removed: benchmarks/NOTES.md, 95274cf item 1.)
-    # (Nor did a longest-first order of the head-dim-256 dK/dV CTAs across 4 KV heads move
-    # the causal backward: seed 427.9 -> 425.7 TFLOPS in interleaved rounds, built and
-    # removed in session 12: NOTES.md, be2df44 item 5; nor each key tile's unmasked query
-    # blocks before its masked ones, session 13: 418.3 -> 415.3 with packed_cvt,
-    # probes/bwd-probe-rounds-d256-8ce1f2a.json, removed.)
+    # (Not kept, each within noise at head dim 256: persistent dQ and dK/dV kernels on the
+    # host's longest-first schedule, a longest-first order of the dK/dV CTAs across KV heads
+    # (``ordered_keys``), each key tile's unmasked query blocks before its masked ones
+    # (``full_first``): docs/performance.md.)
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
     # P^T and dS^T (dS in the dQ kernel) to 16 bits two at a time (hopper.common.to_16bit:
     # no byte permutes before the wgmmas that read them from registers; the same values).
-    # On since session 13, within noise of off in interleaved rounds on the H200
-    # (probes/bwd-probe-rounds-d{128,256}-8ce1f2a.json, TFLOPS off -> on: 2x8192x16x128
-    # 535.4 -> 535.6 / 495.1 -> 498.7, seed 435.3 -> 427.7 / 417.3 -> 418.3, rounds spread
-    # 419-438), fewer instructions.
+    # On: fewer instructions, and within noise of off (off -> on,
+    # probes/bwd-probe-rounds-d{128,256}-8ce1f2a.json at fb45c0d: 2x8192x16x128 535.4 ->
+    # 535.6 / 495.1 -> 498.7, seed 435.3 -> 427.7 / 417.3 -> 418.3, rounds spread 419-438).
     packed_cvt: bool = True
     # Head dim 256 only (dense batches): dK / dV out through each warpgroup's K / V half
-    # tiles by TMA stores instead of register stores (session 13; same rounds, with
-    # packed_cvt: 16x1024x8x256 349.2 -> 363.9 / 268.8 -> 287.8, seed 427.7 -> 435.7 /
-    # 418.3 -> 410.9, the causal seed's rounds spread 406-429; dispatched, then off against
-    # on at 3372345: 16x1024x8x256 349.2 / 273.3 against 369.1 / 293.8, seed 437.8 / 422.5
-    # against 443.3 / 432.3: probes/bwd-probe-rounds-d256-{8ce1f2a,3372345}.json).
+    # tiles by TMA stores instead of register stores (off -> on with packed_cvt:
+    # 16x1024x8x256 349.2 -> 363.9 / 268.8 -> 287.8, seed 427.7 -> 435.7 / 418.3 -> 410.9,
+    # the causal seed's rounds spread 406-429; again at 3372345, off against on:
+    # 16x1024x8x256 349.2 / 273.3 against 369.1 / 293.8, seed 437.8 / 422.5 against 443.3 /
+    # 432.3: probes/bwd-probe-rounds-d256-{8ce1f2a,3372345}.json at fb45c0d). Dispatched at
+    # 256.
     tma_epilogue: bool = False
-    # (Measured and removed in session 14: K and V on two barriers, the first Q before V, so
-    # that the S^T warpgroup starts without waiting for V, ``early_q``: seed 440.9 -> 441.9 /
-    # 425.6 -> 423.9, 16x1024x8x256 368.3 -> 370.6 / 290.0 -> 292.9, within the rounds'
-    # spread; probes/bwd-probe-rounds-d256-944291a.json.)
+    # (Not kept: ``early_q``, K and V on two barriers and the first Q loaded before V so
+    # that the S^T warpgroup starts without waiting for V: within the rounds' spread,
+    # docs/performance.md.)
     # Probe instrumentation, never dispatched: at 256 (dense, with tma_epilogue) per-CTA clock
-    # stamps into ``hopper.bwd256.timeline_buffer``; at 64 / 128 (hopper/bwd.py, session 21)
+    # stamps into ``hopper.bwd256.timeline_buffer``; at 64 / 128 (hopper/bwd.py)
     # per-step stamps of each warpgroup into ``hopper.bwd.step_timeline_buffer``
     # (scripts/bwd_timeline.py, --steps for the latter).
     timeline: bool = False
@@ -283,20 +266,18 @@ class HopperBwdConfig:
     # the warpgroup's K, then its V). At 256 per block the kernel moves ~296 KB through shared memory
     # (the S^T / dP'^T wgmmas at N = 64 read 4 KB per 32 cycles each), more than its four
     # matmuls' ~2050 cycles at 128 B per cycle; K and V in registers take 64 KB off that.
-    # Measured (session 14, 9cefcf9, five interleaved rounds; probes/bwd-probe-rounds-d256-
-    # 9cefcf9.json): 1 (the first halves, 32 KB per block) seed 439.2 -> 448.7 / 429.4 -> 430.7
-    # TFLOPS, 16x1024x8x256 370.9 -> 368.1 / 292.6 -> 294.3; the kernel's own clock stamps put
-    # a query block at 2579 cycles against 2720 (probes/bwd-timeline-{reg_a1-9cefcf9,
-    # e0f3479}.json). 2 spills 680 B and ran at 372.7 / 352.2. Not with softcap (spills).
-    # Head dims 64 / 128 (session 15, probes/bwd-probe-rounds-d{64,128}-3c9fc25.json, five
-    # interleaved rounds, dQ in the kernel), 0 -> 1 -> 2: 64 2x8192x32 (0 B spilled) 419.7 ->
+    # Measured at 9cefcf9 (probes/bwd-probe-rounds-d256-9cefcf9.json at fb45c0d): 1 (the
+    # first halves, 32 KB per block) seed 439.2 -> 448.7 / 429.4 -> 430.7, 16x1024x8x256
+    # 370.9 -> 368.1 / 292.6 -> 294.3; the kernel's own clock stamps put a query block at
+    # 2579 cycles against 2720 (probes/bwd-timeline-{reg_a1-9cefcf9,e0f3479}.json at
+    # fb45c0d). 2 spills 680 B and ran at 372.7 / 352.2. Not with softcap (spills).
+    # Head dims 64 / 128 (dQ in the kernel, probes/bwd-probe-rounds-d{64,128}-3c9fc25.json
+    # at fb45c0d), 0 -> 1 -> 2: 64 2x8192x32 (0 B spilled) 419.7 ->
     # 418.9 -> 424.8 / 400.3 -> 405.2 -> 415.7 (cuDNN 432.8 / 396.6): 2 dispatched at 64;
     # 128 2x8192x16 with 1 (824 / 1316 B spilled) 543.5 -> 405.6 / 506.3 -> 380.1: not there.
     reg_a: int = 0
-    # (Measured and removed in session 14: WG1's dP'^T issued after WG0's S^T of the block had
-    # retired / been issued, ``stagger``, so that the tensor cores would run dP'^T during WG0's
-    # exponentials: seed 439.5 -> 432.7 / 441.8, causal 429.2 -> 422.1 / 425.5,
-    # probes/bwd-probe-rounds-d256-19d33dc.json.)
+    # (Not kept: ``stagger``, WG1's dP'^T issued after WG0's S^T so that the tensor cores
+    # run it during WG0's exponentials: slower, docs/performance.md.)
     # hopper/bwd.py with the in-kernel dQ and no mask: the key tiles of the last, partial wave
     # of CTAs each run as ``hopper.bwd.tail_pieces`` CTAs over parts of its query blocks,
     # storing fp32 dK / dV that a small kernel sums and writes out (4096 tiles on 132 SMs:
@@ -307,30 +288,26 @@ class HopperBwdConfig:
     # (four dS^T slots, the first step's dQ that of a zero block), so that a warpgroup
     # waits for the other's dS^T of the block before, not of this one: the two warpgroups
     # are no longer held in step at every block (their exponentials at the same time, the
-    # tensor cores idle). Measured (session 19, five interleaved rounds beside cuDNN,
-    # probes/bwd-probe-rounds-d{64,128}-23cee87.json, TFLOPS off -> on): 64 2x8192x32
-    # 434.7 -> 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6); 128 2x8192x16 534.4 -> 522.1
-    # / 498.9 -> 478.2. Dispatched at 64 (session 20: 434.1 -> 451.7 / 410.7 -> 435.5,
-    # probes/bwd-probe-rounds-d64-ac47225.json).
+    # tensor cores idle). Measured (off -> on, beside cuDNN,
+    # probes/bwd-probe-rounds-d{64,128}-23cee87.json at fb45c0d): 64 2x8192x32 434.7 ->
+    # 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6); 128 2x8192x16 534.4 -> 522.1 / 498.9 ->
+    # 478.2. Dispatched at 64 (a second set of rounds: 434.1 -> 451.7 / 410.7 -> 435.5,
+    # probes/bwd-probe-rounds-d64-ac47225.json at fb45c0d).
     dq_lag: bool = False
-    # (Session 19's ``dq_alt``, the warpgroups taking turns at whole dQ row blocks, measured
-    # in session 20: 128 541.2 -> 525.0 / 503.6 -> 487.9, 64 below ``dq_lag``: removed.)
+    # (Not kept: ``dq_alt``, the warpgroups taking turns at whole dQ row blocks: slower,
+    # docs/performance.md.)
     # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued before its dK
     # wgmma, so that they retire first and the warpgroup stages and reduces its dQ slice while
-    # dK's wgmma runs (today dQ is issued last and reduced after every wgmma of the step has
-    # retired). FA4's sm90 backward orders them this way (dV, both warpgroups' dS^T, dQ, wait
-    # for dV, dK, wait for dQ, stage dQ, wait for dK). Measured (session 22, five
-    # interleaved rounds beside cuDNN, probes/bwd-probe-rounds-d{64,128}-df641a1.json,
-    # TFLOPS medians off -> on): 128 2x8192x16 529.1 -> 534.6 / 492.6 -> 498.9 (cuDNN
-    # 524.9 / 479.2), 64 2x8192x32 (with dq_lag) 450.4 -> 451.8 / 428.7 -> 435.8 (cuDNN
-    # 435.4 / 396.5); faster in every paired round that neither side lost to the card's
-    # noise. Dispatched at 64 and 128.
+    # dK's wgmma runs (without it dQ is issued last and reduced after every wgmma of the step
+    # has retired). FA4's sm90 backward orders them this way (dV, both warpgroups' dS^T, dQ,
+    # wait for dV, dK, wait for dQ, stage dQ, wait for dK). Measured (medians off -> on,
+    # beside cuDNN, probes/bwd-probe-rounds-d{64,128}-df641a1.json at fb45c0d): 128
+    # 2x8192x16 529.1 -> 534.6 / 492.6 -> 498.9 (cuDNN 524.9 / 479.2), 64 2x8192x32 (with
+    # dq_lag) 450.4 -> 451.8 / 428.7 -> 435.8 (cuDNN 435.4 / 396.5); faster in every paired
+    # round that neither side lost to the card's noise. Dispatched at 64 and 128.
     dq_early: bool = False
-    # (Measured and removed in session 21: ``s_first``, S^T issued before dP^T, both
-    # zero-initialized, one wait for S^T alone so that P's exponentials run under dP^T
-    # (FA4's sm90 order), Delta subtracted after; five interleaved rounds: 128 543.5 -> 521.1
-    # / 505.5 -> 502.1, 64 463.1 -> 466.9 / 440.4 -> 446.8, probes/bwd-probe-rounds-d{64,128}-
-    # e97395a.json.)
+    # (Not kept: ``s_first``, S^T issued before dP^T so that P's exponentials run under dP^T
+    # (FA4's sm90 order): slower at 128, within the spread at 64, docs/performance.md.)
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -361,7 +338,7 @@ INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 #   bwd 256 (split dK/dV 32x128 + dQ 128x32): dK/dV s3 + dQ s3 317/288 > s3 + s2 291/270 >
 #            s2 + s2 250/243 > 16x128 s4 256/224
 #   bwd 128 (dK/dV 64x128 + dQ 128x64): s3 + s3 365/335 > s2 + s3 354/334 > s2 + s2 332/307
-# sweep-h200-4cf91bc.json.gz (round 1, the same kernels before the exp2 fold):
+# sweep-h200-4cf91bc.json.gz (the same kernels before the scale was folded into exp2):
 #   bwd  64 (dK/dV 64x128 s3): dQ 64x128 w4 s3 315/294 ~ 128x64 w4 314/291 > 128x64 w8 287/270
 #   bwd 128: dK/dV 128x128 127/69 and 64x64 w4 242/210 (far behind); dQ 64x128 257/249
 #   bwd 256: dK/dV 64x128 and fwd 64x128 do not fit in shared memory
@@ -385,21 +362,21 @@ SM90_BWD = {
 # K and V rings stages x block_n x D each; all fit under 232448 B and compile without spills
 # (tests/test_hopper_compile.py). 256 uses 64-key blocks: S (64 x 128 fp32) next to the
 # 64 x 256 O accumulator would not fit in 240 registers.
-# Measured on the H200 (bf16, TFLOPS non-causal / causal; benchmarks/results/probes/):
+# Measured on the H200 (files: probes/NAME at fb45c0d, see the module's docstring):
 #   tiles (hopper-fwd-tiles-509b418.json): 64: 128 keys x 2-3 stages 404/387 > 64 x 4 370/355;
 #     128: 128 x 2 595/551 > 64 x 3-4 544/502; 256: 64 x 2 681/631 > 32 x 4 509/492
 #     (64 x 3 does not fit in shared memory).
-#   schedules (hopper-fwd-schedules-*.json, 8k tokens): pingpong helps at 128 (616/569 vs
-#     601/563) and 256 causal (657 vs 650), not at 64 (two consumers then; three in a round
-#     robin: dispatched in session 26); the persistent loop (one Q slot) did
+#   schedules (hopper-fwd-schedules-33a8e80.json, 8k tokens): pingpong helps at 128 (616/569
+#     vs 601/563) and 256 causal (657 vs 650), not at 64 with two consumers (three in a
+#     round robin are dispatched: ``pingpong`` above); the persistent loop (one Q slot) did
 #     not pay at 8k and was erratic at 1k.
 #   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
-#     probes/hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
+#     hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
 #     against two consumers' 415.2/406.2 (cuDNN 465.5/439.7 in the same process); 64 keys x 4
-#     447.1/402.8. Through the GPU probe's check at 49d2a7c (16 of 16 cases, probes/
-#     hopper-fwd64-check_3wg-49d2a7c.json) at 453.0/424.1 (cuDNN 450.5/424.9); dispatched since.
+#     447.1/402.8. Through the GPU probe's check at 49d2a7c (16 of 16 cases,
+#     hopper-fwd64-check_3wg-49d2a7c.json) at 453.0/424.1 (cuDNN 450.5/424.9); dispatched.
 #   persistent CTAs with two Q slots for unmasked dense batches (three interleaved rounds,
-#     non-causal, probes/probe-rounds-fwd-persistent-13394e9.json): 128 at 2x8192x16 609.3
+#     non-causal, probe-rounds-fwd-persistent-13394e9.json): 128 at 2x8192x16 609.3
 #     -> 620.4 (one Q slot 614.3), 16x1024x16 498.5 -> 551.1, 1x16384x16 617.4 -> 619.9; 64
 #     460.8 -> 470.6 (hopper-fwd-check-persistent-qslots2-8c638d0.json: 18 of 18). Not
 #     at 256 (no room for a second Q slot; one slot: seed 673.1 -> 665.2), not under causal
@@ -407,7 +384,7 @@ SM90_BWD = {
 #     tile-to-CTA assignment cannot balance tiles of different lengths as the hardware does).
 #   persistent CTAs under causal / window masks on the host's longest-first schedule
 #     (persistent_masked, common.persistent_schedule; causal, three interleaved rounds,
-#     probes/probe-rounds_pm-*.json): 128 2x8192x16 570.1 -> 591.1, 576.5 -> 592.3, 563.6 ->
+#     probe-rounds_pm-*.json): 128 2x8192x16 570.1 -> 591.1, 576.5 -> 592.3, 563.6 ->
 #     585.3; 4x4096x16 512.6 -> 536.4; 8x2048x16 453.3 -> 482.9; 16x1024x16 358.7 -> 338.7,
 #     355.7 -> 281.6, 349.4 -> 398.6 (host-bound, noisy); 64 2x8192x32 425.1 -> 432.1,
 #     418.1 -> 431.0; 256 seed 639.5 -> 636.5, 623.4 -> 630.7, 2x8192x8 602.1 -> 621.9,
@@ -416,16 +393,15 @@ SM90_BWD = {
 #     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
-    # since session 26: tree_max, sum_partial and the round robin of turns at 64,
-    # sum_partial at 128, sum_partial and rescale_threshold at 256
-    # (probes/probe-rounds-95960bf.json; complete run: benchmarks/NOTES.md 5ae1b49);
-    # since session 27 the turns on named barriers (named_turns, probes/probe-rounds-named1.json);
-    # since session 28 the split tail at 128 / 256 (split_keys, probes/probe-rounds-split_keys-404193d.json:
-    # 2x8192x16x128 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
-    # 624.3 / 625.7 TFLOPS in five rounds; at 64, 2x8192x32 517.6 -> 513.2: not there)
-    # since session 29 O's rescale decided per warp (warp_skip) with the threshold 8.0 at every
-    # head dim (probes/probe-rounds-0919854.json: 2x8192x32x64 517.9 -> 534.2, 2x8192x16x128
-    # 646.9 -> 654.1 / 615.8 -> 623.7, seed 694.9 -> 721.2 / 674.1 -> 676.1 in five rounds)
+    # Beyond the tiles: tree_max, sum_partial and the round robin of turns at 64, sum_partial
+    # at 128 / 256 (probes/probe-rounds-95960bf.json at fb45c0d); the turns on named barriers
+    # (named_turns, probes/probe-rounds-named1.json at fb45c0d); the split tail at 128 / 256
+    # (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d: 2x8192x16x128
+    # 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
+    # 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there); O's rescale decided per
+    # warp (warp_skip) with the threshold 8.0 at every head dim
+    # (probes/probe-rounds-0919854.json at fb45c0d: 2x8192x32x64 517.9 -> 534.2,
+    # 2x8192x16x128 646.9 -> 654.1 / 615.8 -> 623.7, seed 694.9 -> 721.2 / 674.1 -> 676.1).
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
                         rescale_early=True, pingpong=True, named_turns=True, tree_max=True,
@@ -453,17 +429,17 @@ def flipped(cfg, name):
 
 # Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).
 # Shared memory (bf16): K, V 2 x 64 x D each, Q + dO rings 2 x stages x 64 x D, lse/Delta
-# rings (hopper/compile_check.py --bwd / --dq). H200, TFLOPS non-causal / causal at 16k
-# tokens (benchmarks/NOTES.md, commit 4f50b82): 128 497.8 / 458.5 (cuDNN 540.0 / 496.2),
-# 64 411.8 / 395.7 (cuDNN 450.6 / 411.8), seed 256 440.0 / 417.6 (cuDNN 364.5 / 388.1).
-# Tiles measured before (probes/hopper-bwd-speed-*-{f3942c4,18c10c4,531fbf8}.json): Q/dO
-# ring depth at 128 with the Triton dQ kernel 2: 433.1 / 391.0, 3: 437.3 / 386.3,
-# 4: 445.2 / 402.7; the Gluon dQ at 128 with 128-key tiles 478.6 / 465.2 or a 3-deep ring
-# 492.1 / 449.4, both below the 64-key 2-deep tile. Per-warpgroup atomic dQ inside the
-# dK/dV kernel (per-thread red.global.add) was 298.4 at 128 (hopper-bwd-speed-5387ddb.json).
-# dQ by TMA reduce-add of shared dS (atomic_dq, probes/bwd-probe-speed-*-9878a6e.json, same
-# process as the det rows): 128 with 2-deep rings 532.6 / 526.6, 3-deep 536.0 / 488.3,
-# separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs 404.8 / 391.4.
+# rings (hopper/compile_check.py --bwd / --dq). Current speed: docs/performance.md.
+# Tiles (probes/hopper-bwd-speed-*-{f3942c4,18c10c4}.json and
+# probes/hopper-speed-d128-*-531fbf8.json at fb45c0d): Q/dO ring depth at 128 with the
+# Triton dQ kernel 2: 433.1 / 391.0, 3: 437.3 / 386.3, 4: 445.2 / 402.7; the Gluon dQ at
+# 128 with 128-key tiles 478.6 / 465.2 or a 3-deep ring 492.1 / 449.4, both below the
+# 64-key 2-deep tile. Per-warpgroup atomic dQ inside the dK/dV kernel (per-thread
+# red.global.add) ran at 298.4 at 128 (probes/hopper-bwd-speed-5387ddb.json at fb45c0d).
+# dQ by TMA reduce-add of shared dS (atomic_dq, probes/bwd-probe-speed-*-9878a6e.json at
+# fb45c0d, same process as the det rows): 128 with 2-deep rings 532.6 / 526.6, 3-deep
+# 536.0 / 488.3, separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs
+# 404.8 / 391.4.
 SM90_HOPPER_BWD = {
     64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
                         tail_split=0, dq_lag=True, dq_early=True),
@@ -471,7 +447,7 @@ SM90_HOPPER_BWD = {
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles for dense batches, V in one slot of its own:
-    # ``dq_split_v``). Variants in benchmarks/NOTES.md.
+    # ``dq_split_v``). Options measured and not kept: docs/performance.md.
     256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True, tma_epilogue=True,
                          reg_a=1, dq_split_v=64),
 }

@@ -1,8 +1,23 @@
 """Hopper tier (Gluon): FlashAttention forward/backward for sm_90a written in Triton's Gluon
-dialect (wgmma, TMA, mbarrier, warp specialization).
+dialect (wgmma, TMA, mbarrier, warp specialization: a TMA loader warp and consumer
+warpgroups). ``triflash/dispatch.py`` routes sm90 calls here where ``hopper_fwd_supports`` /
+``hopper_bwd_supports`` accept the case (head dims 64, 96, 128, 192, 256 with headdim ==
+headdim_v, dense or varlen batches); everything else runs the portable Triton tier.
 
-UNDER CONSTRUCTION. Nothing here is dispatched yet: ``triflash.dispatch`` never routes to
-this package. What exists so far is ``smoke.py``, a minimal kernel that exercises the
-building blocks (TMA load into NVMMA-swizzled shared memory completing on an mbarrier, one
-``warpgroup_mma``) and a CPU-only sm_90a compile of it; the plan is ``docs/hopper-tier.md``.
+* ``fwd.py``: the forward kernel and its host side (``fwd``); tiles in
+  ``configs.SM90_HOPPER_FWD``.
+* ``split_combine.py``: merges the pieces of a forward whose last round of tiles was cut
+  along the keys (``split_keys``).
+* ``bwd.py``: the dK/dV kernel at head dims 64 / 96 / 128 (dQ inside it by TMA reduce-add
+  where the tile says ``atomic_dq``), the statistics kernel and the backward's host side
+  (``bwd``); tiles in ``configs.SM90_HOPPER_BWD``.
+* ``bwd256.py``: the dK/dV kernel at head dims 192 / 256 (head-dim axis split over the two
+  consumer warpgroups).
+* ``bwd_dq.py``: the separate dQ kernel (no atomics, bitwise reproducible).
+* ``common.py``: what the kernels share (layouts, TMA descriptors, schedules, launches
+  without Triton's per-call binding, launch plans; 96 / 192 computed as 128 / 256).
+* ``compile_check.py``: the sm_90a compile check of every dispatched tile without a GPU;
+  ``smoke.py``: a minimal kernel of the building blocks, compiled the same way.
+
+How the kernels work and why: docs/hopper.md.
 """

@@ -43,11 +43,12 @@ those wgmmas from registers. One CTA owns one key block of ``NUM_CONSUMERS * 64`
 The host function runs ``bwd_stats_kernel`` (Delta = rowsum(dO * O) and lse in log2 units with
 +inf for rows past len_q / rows that saw no key, both padded to whole 64-row tiles), then
 this kernel with ATOMIC_DQ (dq = dq_accum * softmax_scale after it) or without it followed
-by the Gluon dQ kernel. History: per-thread ``red.global.add`` of each warpgroup's 64 x D
-partial made the backward slower than the portable one (298.4 TFLOPS at head dim 128,
-benchmarks/results/probes/hopper-bwd-speed-5387ddb.json); the separate dQ kernel reached
-483.8 / 459.7 (non-causal / causal) and the TMA reduce-add of shared dS 532.6 / 526.6
-(probes/bwd-probe-speed-*-9878a6e.json).
+by the Gluon dQ kernel. Why the TMA reduce-add: per-thread ``red.global.add`` of each
+warpgroup's 64 x D partial made the backward slower than the portable one (298.4 TFLOPS at
+head dim 128); in one process the separate dQ kernel reached 483.8 / 459.7 (non-causal /
+causal) and the TMA reduce-add of shared dS 532.6 / 526.6 (``benchmarks/results/probes/``
+``hopper-bwd-speed-5387ddb.json`` and ``bwd-probe-speed-*-9878a6e.json`` at fb45c0d;
+docs/performance.md).
 
 Math and masking are those of ``triflash/kernels/bwd.py`` (the portable backward).
 Covered: dense (batch, seqlen, heads, dim) inputs, head dim 64 / 128 (= headdim_v),
@@ -866,7 +867,8 @@ def tail_pieces(n_tiles: int, n_sm: int) -> int:
     quarter tile): 2x8192x32x64 (4096 tiles, r = 4 on 132 SMs) 428.4 -> 434.5 TFLOPS and
     424.9 -> 451.3 in two sets of interleaved rounds. Not above: 2x8192x16x128 (2048 tiles,
     r = 68) in 3 pieces lost, 543.6 -> 535.3 and 541.9 -> 535.1 (the CTAs' start times are
-    already spread over the last wave; probes/bwd-probe-rounds-d{64,128}-split*-*.json)."""
+    already spread over the last wave; ``benchmarks/results/probes/``
+    ``bwd-probe-rounds-d{64,128}-split-*.json`` at fb45c0d)."""
     r = n_tiles % n_sm
     if r == 0 or n_tiles < n_sm or 4 * r > n_sm:
         return 1

@@ -25,9 +25,9 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
   no shared tile is ever sliced.
 
-Epilogue: with ``TMA_EPILOGUE`` (dense batches, dispatched since session 13) each warpgroup
-stages its dK / dV halves in its own K / V half tiles and TMA-stores them (``_store_half_tma``);
-else, and on varlen batches, masked register stores (``_store_half``).
+Epilogue: with ``TMA_EPILOGUE`` (dense batches, dispatched) each warpgroup stages its dK /
+dV halves in its own K / V half tiles and TMA-stores them (``_store_half_tma``); else, and
+on varlen batches, masked register stores (``_store_half``).
 
 Exchange barriers (one completion per query block; a writer waits for the reader's
 previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
@@ -36,8 +36,9 @@ the dP'^T side only needs P^T, so no two waits form a cycle.
 
 ``REG_A`` (dispatched: 1, not with softcap): the first column half of K (WG0) and of V (WG1)
 held in registers as the A operand of S^T / dP'^T, so that those wgmmas read only Q / dO
-from shared memory (the kernel is bound by shared-memory traffic: benchmarks/NOTES.md,
-b8688a0). ``TIMELINE``: probe clock stamps per CTA (``timeline_buffer`` below).
+from shared memory (the kernel is bound by shared-memory traffic: docs/hopper.md;
+``benchmarks/NOTES.md`` at fb45c0d, section b8688a0). ``TIMELINE``: probe clock stamps per
+CTA (``timeline_buffer`` below).
 
 Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB, dp 16 KB
 (softcap only); lse / Delta rings 1 KB: 214480 B (230912 B with softcap) of 232448.

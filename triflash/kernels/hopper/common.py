@@ -338,11 +338,12 @@ def _store_rows(buf, PTR, stride_row, nrows, NCOLS: gl.constexpr):
 # ---- launches without Triton's per-call argument binding ------------------------------------
 #
 # ``kernel[grid](*args)`` binds and specializes every argument on every call (about half of
-# the ~40 us a launch costs the H200's host, benchmarks/results/probes/host-breakdown-*.json;
-# short sequences pay it as wall time). ``launch`` keys the compiled kernel by a tuple that
-# fixes all Triton specializes on, cheaper to build than the binding: ints, floats, bools and
-# None by value, tensors by dtype and 16-byte alignment, TMA descriptors by dtype and box (the
-# box fixes the layout: ``descriptor`` / ``stat_descriptor`` derive it from the box and dtype
+# the ~40 us a launch costs the H200's host:
+# ``benchmarks/results/probes/host-breakdown-*.json`` at fb45c0d; short sequences pay it as
+# wall time). ``launch`` keys the compiled kernel by a tuple that fixes all Triton
+# specializes on, cheaper to build than the binding: ints, floats, bools and None by value,
+# tensors by dtype and 16-byte alignment, TMA descriptors by dtype and box (the box fixes
+# the layout: ``descriptor`` / ``stat_descriptor`` derive it from the box and dtype
 # alone). A repeat goes straight to the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1
 # (the GPU test suite) has Triton specialize each repeat as well and checks that it picks the
 # same compiled kernel.
@@ -408,8 +409,9 @@ def launch(kernel, grid, args, num_warps=4):
 #
 # Even with ``launch``, a forward call rebuilds its argument list (``kernel_args``: the
 # problem's view, grid, launch order, schedule lookup, four descriptors) and keys it, ~30 us
-# of the H200 host's ~210 us per 1k-token forward (probes/host-breakdown-3c9fc25.json), and
-# do_bench times a call whose host time passes its kernel's as host time. A plan keeps the
+# of the H200 host's ~210 us per 1k-token forward
+# (``benchmarks/results/probes/host-breakdown-3c9fc25.json`` at fb45c0d), and do_bench
+# times a call whose host time passes its kernel's as host time. A plan keeps the
 # list of one signature (the caller's key: every shape, stride, dtype and parameter the list
 # is made of) with the compiled kernel; a repeat puts the call's own tensors (and
 # descriptors over them) into their slots and launches. The first call of a key, calls

@@ -249,7 +249,7 @@ def all_dq(dtypes=("bf16", "fp16")):
 
 def all_variants():
     """Tile options the dispatch does not use, bf16: the one-at-a-time 16-bit conversions of
-    P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time since session 13)
+    P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time)
     in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
     register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
     ``timeline`` probe stamps (and the 128 dK/dV kernel with its per-step ones), and with K / V

@@ -733,7 +733,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
 # tile), through descriptors with boxes that wide over the tensor's own head dim.
 HEAD_DIMS = (64, 96, 128, 192, 256)
 # Varlen (cu_seqlens / seqused) through this kernel: 24 of 24 GPU cases passed at 4cf91bc
-# (benchmarks/results/probes/hopper-fwd-varlen-tests-4cf91bc.txt).
+# (``benchmarks/results/probes/hopper-fwd-varlen-tests-4cf91bc.txt`` at fb45c0d).
 VARLEN = True
 
 
@@ -856,8 +856,8 @@ def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, se
                lse.stride(), q.dtype, q.get_device(), params, cfg)
     planned_launch(hopper_fwd_kernel, key, tensors, build)
     if split is not None and split[3]:  # (tiles of one key block each are never cut)
-        # (its arguments built on every call, ~0.05 ms of host time: a plan, as above, is the
-        # next step, not yet run on the GPU)
+        # (its arguments built on every call, ~0.05 ms of host time; no launch plan as
+        # above for it)
         table, ncut = split[0], split[3]
         launch(split_combine_kernel, *combine_args(out, lse, ws, wsl, table[table.numel() - 3 * ncut:], q, k, v,
                                                    params, ROWS_PER_CONSUMER * cfg.num_consumers))
