@@ -57,6 +57,8 @@ def parse_args(argv=None):
                    help="a tiny model and sequence (hidden 64, 2 layers, seqlen 64): a smoke test, CPU included")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="train_out")
+    p.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD; a copy of the "
+                                    "tree without its own .git would record a wrong one)")
     args = p.parse_args(argv)
     if args.tiny:
         args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim = 64, 2, 4, 2, 16
@@ -172,7 +174,7 @@ def main(argv=None):
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     result = {
         "args": vars(args), "loss": losses, "step_time_s": times, "tokens_per_s": tokens_per_s,
-        "parameters": n_params, "versions": versions(), "git_commit": git_commit(),
+        "parameters": n_params, "versions": versions(), "git_commit": args.commit or git_commit(),
         "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor()
         or platform.machine(),
         "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if args.device.startswith("cuda") else None,
