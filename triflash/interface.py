@@ -77,13 +77,26 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                     return_attn_probs=False):
-    """Attention over dense batches.
+    """Attention over dense batches: softmax(q k^T * softmax_scale) v per head.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
     v: (batch, seqlen_k, nheads_kv, headdim_v). fp16 or bf16, head dims multiples of 8 up
-    to 256. Returns out (batch, seqlen_q, nheads, headdim_v), and lse if return_attn_probs.
-    Scalars in any of FA3's forms (module docstring). ``num_splits``, ``pack_gqa`` and
-    ``sm_margin`` are FA3 performance hints, accepted and ignored.
+    to 256, CUDA tensors (or CPU tensors under Triton's interpreter: TRITON_INTERPRET=1 set
+    before ``import triflash``; slow, for tests). GQA / MQA: query head h uses KV head
+    h // (nheads // nheads_kv).
+
+    softmax_scale: default headdim ** -0.5. causal: bottom-right aligned, query i sees key j
+    iff j <= i + seqlen_k - seqlen_q (as FA2 / FA3). window_size=(left, right), -1 unbounded:
+    query i sees keys i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right
+    (causal sets right = 0). softcap > 0: scores become softcap * tanh(scores / softcap)
+    before the softmax. A query row that sees no key gets output 0 and lse -inf.
+    deterministic: True makes the backward bitwise reproducible (no atomic adds of dQ).
+
+    Returns out (batch, seqlen_q, nheads, headdim_v), and with return_attn_probs also lse
+    (batch, nheads, seqlen_q), the fp32 natural-log log-sum-exp of the scaled scores.
+    Differentiable in q, k, v. Scalars in any of FA3's forms (module docstring).
+    ``num_splits``, ``pack_gqa`` and ``sm_margin`` are FA3 performance hints, accepted and
+    ignored; ``qv``, the fp8 descales and ``attention_chunk`` raise NotImplementedError.
     """
     key = None
     if (qv is None and q_descale is None and k_descale is None and v_descale is None
