@@ -73,25 +73,25 @@ HOPPER_FWD_SPILL_BUDGET = {
     # sliding-window bounds + the softcap's tanh temporaries on top of the 240 registers the
     # 128-key S tile and the O accumulator use; a few words spilled on the rare path only.
     ("window-softcap", 128): 128,
-    # at 256 P's pairwise 16-bit conversion (packed_cvt, dispatched since session 13) keeps
-    # more values live: 172 B measured dense (bf16 and fp16), 140 B in the KV-cache form,
+    # at 256 P's pairwise 16-bit conversion (packed_cvt, dispatched) keeps more values live:
+    # 172 B measured dense (bf16 and fp16), 140 B in the KV-cache form,
     # against 8 / 32 B one at a time (its speed with window + softcap is not measured yet)
     ("window-softcap", 256): 192,
-    # head dim 128 holds Q in registers (``q_regs``, dispatched since session 15): the
-    # persistent two-Q-slot walk of the plain tile keeps more addresses live next to it
-    # (372 B measured, bf16 and fp16; causal and window + softcap 0 B), and ran as fast as
-    # Q from shared memory (configs.HopperFwdConfig.q_regs); with per-thread partial row sums
-    # (sum_partial, dispatched in session 26) 404 B; with the turns on named barriers
-    # (named_turns, session 27) 484 B, two spill stores and loads per key block in two of
-    # its loops (one before), and 0.4% faster non-causal in five rounds
-    # (probes/probe-rounds-named1.json); the plain rows compile the split tail's walk
-    # (split_keys, session 28: 0 B; its walk without pieces is the option row, 484 B)
+    # head dim 128 holds Q in registers (``q_regs``, dispatched): the persistent two-Q-slot
+    # walk of the plain tile keeps more addresses live next to it (372 B measured, bf16 and
+    # fp16; causal and window + softcap 0 B), and ran as fast as Q from shared memory
+    # (configs.HopperFwdConfig.q_regs); with per-thread partial row sums (sum_partial) 404 B;
+    # with the turns on named barriers (named_turns) 484 B, two spill stores and loads per key
+    # block in two of its loops (one with the turns on mbarriers), and 0.4% faster non-causal
+    # in five rounds (`benchmarks/results/probes/probe-rounds-named1.json` at fb45c0d); the
+    # plain rows compile the split tail's walk (split_keys: 0 B; its walk without pieces is
+    # the option row, 484 B)
     ("plain", 128): 512,
-    # the split tail's walk at 256 (split_keys, session 28): its table's entry and piece kept
+    # the split tail's walk at 256 (split_keys): its table's entry and piece kept
     # across the loop, 128 B, two spill loads per key block in two of its loops
     # (scripts/sass_loops.py fwd 256 plain); 176 B with the turns on mbarriers (an option row)
     ("plain", 256): 192,
-    # session 26's 256 tile (sum_partial and rescale_threshold: the warpgroup's min of alpha
+    # the 256 tile with sum_partial and rescale_threshold (the warpgroup's min of alpha
     # before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
     # the KV-cache form (bf16 and fp16); window + softcap 144 B (budget above)
     ("causal", 256): 128,
@@ -111,9 +111,9 @@ HOPPER_BWD_SPILL_BUDGET = {
 # descriptor / coordinates of the reduce next to dK and dV; measured (bf16 and fp16) at
 # 9878a6e: plain 104 B, causal 96 B, window + softcap 636 B, almost all of it outside the
 # query-block loop (prologue stores, epilogue loads). It ran 1.10x / 1.15x the separate-dQ
-# backward (benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json).
-# With dq_early (dispatched in session 22): plain 52 B, causal 96 B, window + softcap 528 B.
-# At 64 with the dQ one block later (dq_lag, dispatched in session 20): plain and causal
+# backward (`benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json`
+# at fb45c0d). With dq_early (dispatched): plain 52 B, causal 96 B, window + softcap 528 B.
+# At 64 with the dQ one block later (dq_lag, dispatched there): plain and causal
 # spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
 # to the window bounds and the tanh terms).
 HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
@@ -125,63 +125,63 @@ HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
 # The same kernels splitting the last wave (``tail_split``, 4 pieces; plain only): 32 B at 64
 # and 52 B at 128 measured, the piece's range and slot computed at entry (the 64 kernel with
 # 4 pieces ran 1.4% and 6% faster than without the split in interleaved rounds,
-# benchmarks/results/probes/bwd-probe-rounds-d64-split-*.json).
+# `benchmarks/results/probes/bwd-probe-rounds-d64-split-*.json` at fb45c0d).
 HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
-# The in-kernel dQ one block later (dq_lag, session 18, dispatched at 64), bf16: 64 spills
+# The in-kernel dQ one block later (dq_lag, dispatched at 64), bf16: 64 spills
 # nothing (window + softcap 56 B); 128 plain 88 B (none inside the query-block loops,
 # SASS), causal 500 B (some in them: 12-15 spill instructions per masked block of one
-# warpgroup). With dq_early (dispatched at 128 since session 22) 128 plain 52 B, causal 668 B.
+# warpgroup). With dq_early (dispatched at 128) 128 plain 52 B, causal 668 B.
 HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128, and at 256
-# without a mask since session 21: 256 spills nothing there), bf16: at
+# without a mask: 256 spills nothing there), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
 # At 256 under the causal mask (not dispatched there: O is rescaled late under masks) with
-# the threshold decided per warp (warp_skip, session 29) 148 B.
+# the threshold decided per warp (warp_skip) 148 B.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256, ("causal", 256): 160}
-# 128 without pingpong turns (session 24, an option): the persistent plain tile spills 452 B
+# 128 without pingpong turns (an option): the persistent plain tile spills 452 B
 # (372 B with them), two spill stores and loads per key block in two of its loops (one with);
 # with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B, with
 # rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
 # rescale; one spill store and load per key block in two of the four loops); 128 causal with
-# tree_max (off there) and the per-warp threshold (warp_skip, session 29) 28 B
+# tree_max (off there) and the per-warp threshold (warp_skip) 28 B
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96, ("causal", 128): 32}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
-# tiles (dq_split_v, dense, session 23: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
+# tiles (dq_split_v, dense: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
 # the key-block loops' SASS) and 32-key ones (varlen, budget below).
 HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32, ("causal", 256): 64}
 # The 128 dK/dV kernel with its per-step timeline probe (every point stamped, never
-# dispatched): the clock reads and stores cost registers, 948 / 1404 B spilled (bf16, session
-# 21; points 0 and 7 alone 144 / 896 B, the 64 kernel none): scripts/bwd_timeline.py --steps
+# dispatched): the clock reads and stores cost registers, 948 / 1404 B spilled (bf16;
+# points 0 and 7 alone 144 / 896 B, the 64 kernel none): scripts/bwd_timeline.py --steps
 # reads it as a probe's view, not the kernel's own speed.
 HOPPER_BWD_TIMELINE_SPILL_BUDGET = {("plain", 128): 1024, ("causal", 128): 1536}
 
 
-# Varlen variants (dispatched since session 5): the tile's sequence starts and lengths stay
+# Varlen variants (dispatched): the tile's sequence starts and lengths stay
 # live through the loop and the masked-store epilogue (hopper/common.py ``_store_rows``)
 # needs 64-bit addresses, on top of the dense kernel's registers. Measured (bf16) at
 # bcff93c: forward 44-360 B, dK/dV as dense (248 / 64 B with window + softcap), dQ at 256
 # 8-52 B. The varlen forward at that size of spill ran at 0.96x-0.97x of the dense one on
-# the seed case (benchmarks/results/h200-bcff93c.json.gz).
+# the seed case (`benchmarks/results/h200-bcff93c.json.gz` at fb45c0d).
 HOPPER_FWD_VARLEN_SPILL_BUDGET = {
-    # with Q in registers (q_regs, session 15): plain 232 B, causal 96 B, window + softcap 8 B
+    # with Q in registers (q_regs): plain 232 B, causal 96 B, window + softcap 8 B
     ("plain", 128): 256,
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
-    # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers (named_turns,
-    # session 27) 212 / 220 B (GPU tests passed; the varlen seed forward ran 0.946x the dense
+    # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers (named_turns)
+    # 212 / 220 B (GPU tests passed; the varlen seed forward ran 0.946x the dense
     # one in c0c4f9a's benchmark, 0.953x in 5ae1b49's); with O's rescale decided per warp
-    # (warp_skip, session 29: the early rescale's branch over 128 values of O) 392 B, at 256
+    # (warp_skip: the early rescale's branch over 128 values of O) 392 B, at 256
     # and 192: the varlen seed forward 661.9 (3afe79e's run, 212 B) -> 675.7 (119238b's, 392 B),
     # 2x8192x8x256 665.4 -> 680.9
     ("plain", 256): 448,
-    # 396 B measured with packed_cvt (session 13; 360 B one at a time)
+    # 396 B measured with packed_cvt (360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
-    # (bf16, session 12), against 128 B at 256; with session 26's 256 tile (sum_partial,
-    # rescale_threshold) under the causal mask 216 B at 256 and at 192
+    # (bf16), against 128 B at 256; with the 256 tile's sum_partial and rescale_threshold
+    # under the causal mask 216 B at 256 and at 192
     ("causal", 256): 256,
     ("causal", 192): 256,
 }
@@ -197,14 +197,14 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # Causal on persistent CTAs (persistent_masked, two Q slots, the schedule's walk): 336 B
 # (bf16 and fp16, 7c818c1), and 1.6-3.1% faster than one CTA per tile
 # (configs.SM90_HOPPER_FWD); window + softcap there spills nothing.
-# Since each consumer keeps its own key-block range (own_blocks, dispatched at 64 in session
-# 18) none of them spills (bf16 and fp16; dense, varlen, the KV-cache form, packed_cvt off):
-# the sizes above (plain 648 B, causal 32 / 336 B, varlen causal 404 B) are history.
-# With O rescaled before P V is issued (rescale_early, dispatched at 64 in session 20) the
+# With each consumer keeping its own key-block range (own_blocks, dispatched at 64) none of
+# them spills (bf16 and fp16; dense, varlen, the KV-cache form, packed_cvt off): the sizes
+# above (plain 648 B, causal 32 / 336 B, varlen causal 404 B) were measured without it.
+# With O rescaled before P V is issued (rescale_early, dispatched at 64) the
 # unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
 # (bf16); measured with those spills, +0.7% / +1.5% non-causal / causal in five interleaved
 # rounds (configs.HopperFwdConfig.rescale_early).
-# With tree_max, sum_partial and the round robin of turns (dispatched in session 26): plain
+# With tree_max, sum_partial and the round robin of turns (dispatched): plain
 # and causal nothing, window + softcap 52 B.
 HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32, ("window-softcap", 64): 64}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
@@ -345,12 +345,12 @@ def test_hopper_dq_compiles_for_sm90a():
 def test_tile_variants_compile_for_sm90a():
     """Tile options the dispatch does not use compile within the dispatched tiles' budgets:
     ``packed_cvt`` off (LLVM's one-at-a-time 16-bit conversions of P / dS; the dispatched
-    tiles pack two at a time since session 13, ``hopper.common.to_16bit``), where the forward
+    tiles pack two at a time, ``hopper.common.to_16bit``), where the forward
     does convert one at a time (384 times at head dim 128; the dispatched forward never, test
     above); the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps, and with K / V
-    read from shared memory (``reg_a`` 0, dispatched before session 14). (The head-dim-64 dK/dV
-    kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs``, variants in session 14,
-    are dispatched since session 15: the tests above compile them in every form.) The 64 / 128
+    read from shared memory (``reg_a`` 0; the dispatched kernel's is 1). (The head-dim-64 dK/dV
+    kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs`` are dispatched: the tests
+    above compile them in every form.) The 64 / 128
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
     forward with each row's max of S by a tree
     (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin), with the
@@ -401,8 +401,8 @@ def test_tile_variants_compile_for_sm90a():
 
 def test_forward_refuses_a_key_block_that_is_no_power_of_two():
     """``HopperFwdConfig.block_n`` must be a power of two (Gluon's tiles and TMA boxes; FA3 /
-    FA4's 80-key tile at 256 was built as two wgmmas per product in session 27, ran 7-14%
-    slower and was removed): any other size is refused with its value named."""
+    FA4's 80-key tile at 256 was built as two wgmmas per product, ran 7-14% slower and was
+    removed: docs/performance.md): any other size is refused with its value named."""
     import dataclasses
     from triflash.kernels import configs
     from triflash.kernels.hopper import compile_check, fwd

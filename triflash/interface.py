@@ -45,7 +45,7 @@ def _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk):
 # Validation reads only what the signature holds (shapes, strides, dtypes, devices and the
 # scalar arguments with their types), so a repeat skips it: ~6 us of Python per call on a
 # fast host, twice that on the H200's, which a 1k-token forward pays as wall time under
-# do_bench (benchmarks/NOTES.md). Only plain tensors with a contiguous last dim, bool flags,
+# do_bench (`benchmarks/NOTES.md` at fb45c0d). Only plain tensors with a contiguous last dim, bool flags,
 # a tuple window of two ints, a Python float/int/None scale and float/int softcap and
 # default FA3 extras take this path; anything else (FA3's other forms: a list or tensor
 # window, numpy or tensor scalars, integer flags) is validated every time, as is every call

@@ -81,17 +81,17 @@ _PORTABLE = ("the masked (causal/window/softcap/varlen) variants need the visibi
 # (the full table: plain, causal, window, softcap, varlen, all), rounded up to 64 B, as measured by
 # ``python -m triflash.kernels.sm90_report`` at the tiles of commit 9f1c860, and at bcff93c for
 # the backward tiles of the round-2 sweep (3-stage rings: more spills on the masked variants,
-# faster on the H200, sweep-h200-{4cf91bc,25aaea1}.json). A change that spills more fails
+# faster on the H200, sweep-h200-{4cf91bc,25aaea1}.json.gz). A change that spills more fails
 # tests/test_sm90_resources.py.
 SPILL_RULES: Dict[tuple, tuple] = {
     ("fwd", 64): (1152, f"128x128 tile, 4 warps: {_MEASURED}; {_PORTABLE} (1116 B on the all-features "
-                        f"variant since the one-dimensional launch, common.launch_order; 1088 before)"),
+                        f"variant with the one-dimensional launch, common.launch_order; 1088 without it)"),
     ("bwd_dq", 64): (896, f"64x128 dQ tile, 4 warps, under the window/varlen masks: {_MEASURED}"),
     ("bwd_dkdv", 64): (1536, f"64x128 dK/dV tile: {_MEASURED}; {_PORTABLE}"),
-    ("fwd", 72): (11776, f"{_MASKED_D} (11728 B since the one-dimensional launch, 11264 before)"),
+    ("fwd", 72): (11776, f"{_MASKED_D} (11728 B with the one-dimensional launch, 11264 without it)"),
     ("bwd_dkdv", 72): (14272, _MASKED_D),
     ("bwd_dkdv+atomic_dq", 72): (16960, _MASKED_D),
-    ("bwd_dq", 72): (4160, f"{_MASKED_D} (4116 B since the launch order took two more divisions, "
+    ("bwd_dq", 72): (4160, f"{_MASKED_D} (4116 B with the launch order's two extra divisions, "
                            f"common.launch_order)"),
     ("fwd", 96): (64, _MASKED_D),
     ("bwd_dkdv", 96): (3712, f"{_MASKED_D}; and the 64x128 dK/dV tile of head dim 128"),
@@ -100,7 +100,7 @@ SPILL_RULES: Dict[tuple, tuple] = {
     ("fwd", 128): (64, f"128x128 tile, 8 warps: {_MEASURED}"),
     ("bwd_dkdv", 128): (3712, f"64x128 dK/dV tile, 3 stages: {_MEASURED}; {_PORTABLE}"),
     ("bwd_dq", 128): (384, f"128x64 dQ tile, 3 stages, under masks: {_MEASURED}"),
-    ("fwd", 192): (192, f"{_MASKED_D} (varlen: 176 B since the scale moved into exp2, 25aaea1)"),
+    ("fwd", 192): (192, f"{_MASKED_D} (varlen: 176 B with the scale folded into exp2, 25aaea1)"),
     ("bwd_dkdv[dk]", 192): (2048, f"{_MASKED_D}; and the dK pass of head dim 256"),
     ("bwd_dkdv[dv]", 192): (1280, f"{_MASKED_D}; and the dV pass of head dim 256"),
     ("bwd_dq", 192): (64, _MASKED_D),
@@ -112,7 +112,7 @@ SPILL_RULES: Dict[tuple, tuple] = {
 }
 # The paged KV-cache forward (flash_attn_with_kvcache with a page table): each key block's
 # rows come from a page-table load, two int64 row-offset vectors on top of the forward's tile
-# (measured when it was added, session 7: bf16, left padding and seqused_k, dense and packed
+# (measured when it was added: bf16, left padding and seqused_k, dense and packed
 # queries, 288 / 6396 B worst at 64 / 72; its speed is not measured: decoding has no split-KV yet).
 _PAGED = "page-table row offsets on top of the forward's tile; speed not measured (decoding)"
 SPILL_RULES.update({
