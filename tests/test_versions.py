@@ -95,3 +95,12 @@ def test_validated_triton_runs_the_hopper_tier(fake_sm90, monkeypatch):
         warnings.simplefilter("error")
         _calls()
     assert fake_sm90 == ["hopper", "hopper"]
+
+
+def test_pyproject_bounds_are_the_matrix_oldest_pair():
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    deps = dict(re.findall(r'"(torch|triton)>=([0-9.]+)"', text))
+    oldest_torch, oldest_triton = min(versions.MATRIX, key=lambda pair: tuple(map(int, pair[0].split("."))))
+    assert deps == {"torch": ".".join(oldest_torch.split(".")[:2]), "triton": ".".join(oldest_triton.split(".")[:2])}
