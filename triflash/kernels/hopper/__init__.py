@@ -16,8 +16,10 @@ headdim_v, dense or varlen batches); everything else runs the portable Triton ti
 * ``bwd_dq.py``: the separate dQ kernel (no atomics, bitwise reproducible).
 * ``common.py``: what the kernels share (layouts, TMA descriptors, schedules, launches
   without Triton's per-call binding, launch plans; 96 / 192 computed as 128 / 256).
-* ``compile_check.py``: the sm_90a compile check of every dispatched tile without a GPU;
-  ``smoke.py``: a minimal kernel of the building blocks, compiled the same way.
+
+The sm_90a compile check of every dispatched tile without a GPU (``tools/compile_check.py``)
+and a minimal kernel of the building blocks compiled the same way (``tools/smoke.py``) live
+beside the package in the repository's ``tools/``, not installed.
 
 How the kernels work and why: docs/hopper.md.
 """

@@ -7,7 +7,7 @@ Dispatched on sm90 for dense and varlen batches at head dim 64 and 128 (= headdi
 (``common.kernel_head_dim``: boxes of the tile's width over the tensor's head dim, loads
 zero-filled past it, TMA stores clipped, masked stores stopped at ``HEAD_DIM``); tiles in
 ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
-Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
+Compile check: ``python -m tools.compile_check --bwd`` (from the repository root).
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
 their wgmmas already in the accumulator orientation of dV += P^T dO and dK += dS^T Q and feed
