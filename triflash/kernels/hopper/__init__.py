@@ -13,6 +13,8 @@ headdim_v, dense or varlen batches); everything else runs the portable Triton ti
   (``bwd``); tiles in ``configs.SM90_HOPPER_BWD``.
 * ``bwd256.py``: the dK/dV kernel at head dims 192 / 256 (head-dim axis split over the two
   consumer warpgroups).
+* ``bwd_loader.py``: the TMA loader warp both dK/dV kernels share (K / V once, then the
+  Q / dO / lse / Delta rings).
 * ``bwd_dq.py``: the separate dQ kernel (no atomics, bitwise reproducible).
 * ``common.py``: what the kernels share (layouts, TMA descriptors, schedules, launches
   without Triton's per-call binding, launch plans; 96 / 192 computed as 128 / 256).
