@@ -2,18 +2,26 @@
 # Do the dispatched Gluon kernels of this checkout compile (sm_90a, on the CPU) to the same
 # instructions as those of commit REF (e.g. the last commit measured on the H200)?
 # Usage: bash scripts/ptx_equivalence.sh REF [PYTHON]
+#   PARTS="bwd dq"   compile only these parts (default: fwd bwd dq)
+# The compile check is tools/compile_check.py, or in a REF from before tools/ existed
+# triflash/kernels/hopper/compile_check.py: each side runs the one its tree has.
 # Prints, per kernel configuration: identical, "params-only" (the same instructions, kernel
 # parameters declared or numbered differently: added arguments the kernel does not read in
 # that configuration), "numbers-only" (the same instructions with other immediates, e.g.
 # shared-memory offsets after a buffer was declared differently: read the diff before
 # trusting it), or REAL (different instructions), and a summary line.
 set -u
+cd "$(dirname "$0")/.."
 REF="$1"; PY="${2:-python3}"; TMP=$(mktemp -d)
 git worktree add -q "$TMP/ref" "$REF" || exit 1
-for part in fwd bwd dq; do
+HERE=$(pwd)
+check() { [ -f "$1/tools/compile_check.py" ] && echo tools.compile_check || echo triflash.kernels.hopper.compile_check; }
+for part in ${PARTS:-fwd bwd dq}; do
   flag=$([ $part = fwd ] || echo "--$part")
-  (cd "$TMP/ref" && PYTHONPATH=. $PY -m triflash.kernels.hopper.compile_check $flag --dump "$TMP/a-$part" > /dev/null 2>&1)
-  PYTHONPATH=. $PY -m triflash.kernels.hopper.compile_check $flag --dump "$TMP/b-$part" > /dev/null 2>&1
+  (cd "$TMP/ref" && PYTHONPATH=. $PY -m "$(check .)" $flag --dump "$TMP/a-$part" > /dev/null 2>&1) \
+    || echo "REF's compile check failed (--$part)"
+  PYTHONPATH=. $PY -m "$(check "$HERE")" $flag --dump "$TMP/b-$part" > /dev/null 2>&1 \
+    || echo "this checkout's compile check failed (--$part)"
 done
 norm() { grep -v '^\s*\.param' "$1" | sed -E 's/_kernel_param_[0-9]+/P/g' | grep -v '^\s*$'; }
 numbers() { norm "$1" | sed -E 's/[0-9]+/N/g'; }
@@ -27,5 +35,5 @@ for a in "$TMP"/a-*/*.ptx; do
     echo "numbers-only $(basename "$a") ($(diff <(norm "$a") <(norm "$b") | grep -c '^<') lines)"; nums=$((nums+1))
   else echo "REAL $(basename "$a")"; real=$((real+1)); fi
 done
-echo "vs $REF: $same identical, $params params-only, $nums numbers-only, $real different"
+echo "vs $REF (${PARTS:-fwd bwd dq}): $((same+params+nums+real)) kernels, $same identical, $params params-only, $nums numbers-only, $real different"
 git worktree remove --force "$TMP/ref"; rm -rf "$TMP"

@@ -26,7 +26,7 @@ PATTERNS = dict(BAR=r"BAR\.SYNC", STL=r"\bSTL", LDL=r"\bLDL", EX2=r"MUFU\.EX2", 
 def compile_sass(kind, d, feature, overrides):
     import triton
     from triflash.kernels import configs
-    from triflash.kernels.hopper import compile_check as cc
+    from tools import compile_check as cc
     seen = {}
     real = triton.compile
 

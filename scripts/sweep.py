@@ -8,7 +8,7 @@ Shapes follow the benchmark: the seed case at head dim 256 (1 x 8192 x 36), 16k 
 seqlen 8192 otherwise; bf16; every candidate is timed non-causal and bottom-right causal.
 ``--jobs N`` first compiles every candidate in N worker processes (Triton's on-disk cache),
 so the timed loop spends its budget on the GPU, not on the compiler. Candidates were
-pre-screened on the CPU with ``python -m triflash.kernels.sm90_report``. Each row: head dim,
+pre-screened on the CPU with ``python -m tools.sm90_report``. Each row: head dim,
 mask, kind, tile, ms, TFLOPS (or the error: out of resources, compile failure).
 """
 import argparse

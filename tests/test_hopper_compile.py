@@ -1,5 +1,5 @@
 """Hopper (Gluon) tier, no GPU needed: the forward and the backward's dK/dV and dQ kernels
-(every dispatchable tile), and the smoke kernel ``triflash.kernels.hopper.smoke``
+(every dispatchable tile), and the smoke kernel ``tools/smoke.py``
 (TMA loads of a Q and a K tile into NVMMA-swizzled shared memory on an mbarrier, one
 ``warpgroup_mma`` S = Q K^T) compiles for sm_90a, its PTX has wgmma and TMA instructions,
 and its shared memory fits the per-block opt-in limit of H100/H200.
@@ -11,7 +11,7 @@ backend or ptxas is unavailable.
 import pytest
 import torch
 
-from triflash.kernels import sm90_report as R
+from tools import sm90_report as R
 from triflash.versions import VALIDATED_TRITON, triton_release
 
 pytestmark = pytest.mark.sm90
@@ -28,7 +28,7 @@ def test_smoke_kernel_compiles_for_sm90a(case):
     if problem:
         pytest.skip(f"sm_90a toolchain unavailable: {problem}")
     try:
-        from triflash.kernels.hopper import smoke
+        from tools import smoke
     except ImportError as e:  # Triton without Gluon's Hopper pieces
         pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
     r = smoke.compile_sm90_subprocess(**case)
@@ -48,7 +48,7 @@ def _compiled(part):
     if problem:
         pytest.skip(f"sm_90a toolchain unavailable: {problem}")
     try:
-        from triflash.kernels.hopper import compile_check
+        from tools import compile_check
     except ImportError as e:
         pytest.skip(f"Gluon (Hopper) unavailable: {e!r}")
     return compile_check.run_subprocess(part)
@@ -211,7 +211,7 @@ HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
 
 # Each supported Triton release (triflash.versions.MATRIX) allocates registers its own way:
 # where one spills more than the budgets above, its own, measured on it
-# (``python -m triflash.kernels.hopper.compile_check --json`` under that release), replace
+# (``python -m tools.compile_check --json`` under that release), replace
 # them. Triton 3.8: the forward at 64 with three consumers and the varlen forward at 128 hold
 # sequence bookkeeping in spilled words; the H200 GPU suite and benchmark ran under 3.8
 # (benchmarks/results/*-triton3.8*).
@@ -362,7 +362,7 @@ def test_tile_variants_compile_for_sm90a():
     (``configs.flipped``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
-    from triflash.kernels.hopper import compile_check
+    from tools import compile_check
     assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     assert {(r["kernel"], r["feature"]) for r in rows if r.get("timeline")} == {
         (k, f) for k in ("hopper_bwd256", "hopper_bwd") for f in ("plain", "causal")}
@@ -405,7 +405,8 @@ def test_forward_refuses_a_key_block_that_is_no_power_of_two():
     removed: docs/performance.md): any other size is refused with its value named."""
     import dataclasses
     from triflash.kernels import configs
-    from triflash.kernels.hopper import compile_check, fwd
+    from tools import compile_check
+    from triflash.kernels.hopper import fwd
     q, k, v, p, cu, used = compile_check._problem(256, "bf16", "plain")
     for n in (48, 80, 144, 192):
         cfg = dataclasses.replace(configs.SM90_HOPPER_FWD[256], block_n=n)

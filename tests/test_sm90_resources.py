@@ -4,7 +4,7 @@ memory (the per-block opt-in limit of H100/H200) and without register spills, un
 ``sm90_report.spill_budget`` (SPILL_RULES by kernel and head dim, SPILL_BUDGET by launch)
 allows a configuration some spill bytes with a written reason.
 
-Compiles go through ``triflash.kernels.sm90_report`` (Triton's sm_90a compiler + ptxas);
+Compiles go through ``tools/sm90_report.py`` (Triton's sm_90a compiler + ptxas);
 under TRITON_INTERPRET=1 (how the rest of the suite runs) that happens in a subprocess
 without it. Results are cached by Triton's hash of the kernel sources, so only edited
 kernels recompile. Skipped when Triton's NVIDIA backend or ptxas is unavailable.
@@ -16,7 +16,7 @@ and "all" (causal + sliding window + softcap + varlen + seqused), with determini
 and True, plus fp16 "plain" at head dims 64, 128, 256: ~100 distinct compiles, ~4.5 minutes
 cold on 2 cores (a file lock makes pytest-xdist workers share one compile pass), seconds
 when cached. The full table (fp16 everywhere, "window", "softcap" and "varlen" too: 360
-launches, ~324 compiles, ~15 minutes cold) is ``python -m triflash.kernels.sm90_report``;
+launches, ~324 compiles, ~15 minutes cold) is ``python -m tools.sm90_report``;
 TRIFLASH_SM90_FULL=1 makes this file check all of it.
 
     pytest -m sm90            # only this file's tests
@@ -26,7 +26,7 @@ import os
 
 import pytest
 
-from triflash.kernels import sm90_report as R
+from tools import sm90_report as R
 
 pytestmark = pytest.mark.sm90
 

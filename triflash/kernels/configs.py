@@ -328,7 +328,7 @@ INTERPRET_FWD = FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 INTERPRET_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
 
 # Hopper (sm90) through the portable Triton path. Candidates screened on the CPU for spills
-# (``python -m triflash.kernels.sm90_report``), then timed by scripts/sweep.py on the H200
+# (``python -m tools.sm90_report``), then timed by scripts/sweep.py on the H200
 # (bf16, seqlen 8192 at 16k tokens; the seed case 1x8192x36 at head dim 256; every backward
 # with the separate dQ kernel, as dispatched). TFLOPS full / causal, best first:
 # benchmarks/results/sweep-h200-25aaea1.json.gz (scale folded into exp2, this forward):
@@ -429,7 +429,7 @@ def flipped(cfg, name):
 
 # Hopper tier backward (Gluon dK/dV kernel + the Gluon dQ kernel), by head dim (= headdim_v).
 # Shared memory (bf16): K, V 2 x 64 x D each, Q + dO rings 2 x stages x 64 x D, lse/Delta
-# rings (hopper/compile_check.py --bwd / --dq). Current speed: docs/performance.md.
+# rings (tools/compile_check.py --bwd / --dq). Current speed: docs/performance.md.
 # Tiles (probes/hopper-bwd-speed-*-{f3942c4,18c10c4}.json and
 # probes/hopper-speed-d128-*-531fbf8.json at fb45c0d): Q/dO ring depth at 128 with the
 # Triton dQ kernel 2: 433.1 / 391.0, 3: 437.3 / 386.3, 4: 445.2 / 402.7; the Gluon dQ at

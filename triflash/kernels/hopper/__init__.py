@@ -13,11 +13,15 @@ headdim_v, dense or varlen batches); everything else runs the portable Triton ti
   (``bwd``); tiles in ``configs.SM90_HOPPER_BWD``.
 * ``bwd256.py``: the dK/dV kernel at head dims 192 / 256 (head-dim axis split over the two
   consumer warpgroups).
+* ``bwd_loader.py``: the TMA loader warp both dK/dV kernels share (K / V once, then the
+  Q / dO / lse / Delta rings).
 * ``bwd_dq.py``: the separate dQ kernel (no atomics, bitwise reproducible).
 * ``common.py``: what the kernels share (layouts, TMA descriptors, schedules, launches
   without Triton's per-call binding, launch plans; 96 / 192 computed as 128 / 256).
-* ``compile_check.py``: the sm_90a compile check of every dispatched tile without a GPU;
-  ``smoke.py``: a minimal kernel of the building blocks, compiled the same way.
+
+The sm_90a compile check of every dispatched tile without a GPU (``tools/compile_check.py``)
+and a minimal kernel of the building blocks compiled the same way (``tools/smoke.py``) live
+beside the package in the repository's ``tools/``, not installed.
 
 How the kernels work and why: docs/hopper.md.
 """

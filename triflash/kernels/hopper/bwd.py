@@ -7,7 +7,7 @@ Dispatched on sm90 for dense and varlen batches at head dim 64 and 128 (= headdi
 (``common.kernel_head_dim``: boxes of the tile's width over the tensor's head dim, loads
 zero-filled past it, TMA stores clipped, masked stores stopped at ``HEAD_DIM``); tiles in
 ``configs.SM90_HOPPER_BWD``; this module also holds the backward's host side (``bwd``).
-Compile check: ``python -m triflash.kernels.hopper.compile_check --bwd``.
+Compile check: ``python -m tools.compile_check --bwd`` (from the repository root).
 
 FA3-style "swapAB" dK/dV kernel: keys sit on the wgmma M axis, so P^T and dS^T come out of
 their wgmmas already in the accumulator orientation of dV += P^T dO and dK += dS^T Q and feed
@@ -72,8 +72,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .. import configs, portable
-from . import bwd_dq
+from . import bwd256, bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
+from .bwd_loader import _bwd_loader, _loader_barriers
 from .common import (Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view, a_operand, clock, descriptor,
                      global_ns, kernel_head_dim, launch, num_sms, planned_launch, sm_id, stat_descriptor, stat_row0,
                      stat_rows, tma_compatible, tma_reduce_add, to_16bit)
@@ -83,72 +84,6 @@ BLOCK_M = 64             # query rows per streamed Q / dO tile
 HEAD_DIMS = (64, 96, 128, 192, 256)  # dispatched (= headdim_v); 96 / 192 computed as 128 / 256
 VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked dK/dV/dQ stores
 SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split over the warpgroups)
-
-
-@gluon.jit
-def _loader_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """The barriers ``_bwd_loader`` works with, initialised: ``kv_bar`` (K and V, once), and
-    per ring slot ``q_ready`` (Q + lse), ``do_ready`` (dO + Delta) and ``free`` (every
-    consumer warpgroup arrives when done with the slot)."""
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=NUM_CONSUMERS)
-    return kv_bar, q_ready, do_ready, free
-
-
-@gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
-                q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max,
-                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False):
-    """The TMA producer of the dK/dV kernels. K and V: ``NUM_CONSUMERS`` tiles, one per
-    consumer's keys, or with ``SPLIT_D`` (hopper/bwd256.py) the two column halves of one key
-    block's tile (the descriptors' boxes are then half the head dim wide, and every Q / dO
-    ring slot is two consecutive halves too). Keys and query blocks are relative to the
-    sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``)."""
-    KR: gl.constexpr = k_desc.block_type.shape[1]
-    BM: gl.constexpr = q_desc.block_type.shape[1]
-    W: gl.constexpr = q_desc.block_type.shape[3]
-    PIECES: gl.constexpr = 2 if SPLIT_D else 1  # smem tiles per Q / dO ring slot
-    KEY_STEP: gl.constexpr = 0 if SPLIT_D else KR
-    COL_STEP: gl.constexpr = W if SPLIT_D else 0
-    mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
-                                        kv_bar, _tma_view(k_bufs.index(c), k_desc))
-        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
-                                        kv_bar,
-                                        _tma_view(v_bufs.index(c), v_desc))
-    count = m_max - m_min
-    # Same order as the consumers: query heads of the group outer, query blocks ascending.
-    for it in range(group * count):
-        g = it // count
-        m = m_min + (it - g * count)
-        head = head_kv * group + g
-        stage = it % STAGES
-        phase = (it // STAGES) & 1
-        # A fresh barrier counts as having completed the phase before 0: the first pass
-        # through the ring does not wait.
-        mbarrier.wait(free.index(stage), phase ^ 1)
-        # Q with its rows' LSE, dO with its rows' Delta: one barrier each.
-        mbarrier.expect(q_ready.index(stage), PIECES * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        for j in gl.static_range(PIECES):
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, q_row0 + m * BM, head, j * W], q_ready.index(stage),
-                                            _tma_view(q_ring.index(PIECES * stage + j), q_desc))
-        tma.async_copy_global_to_shared(lse_desc, [tma_batch, head, stat0 + m * BM], q_ready.index(stage),
-                                        _tma_view(lse_ring.index(stage), lse_desc))
-        mbarrier.expect(do_ready.index(stage), PIECES * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        for j in gl.static_range(PIECES):
-            tma.async_copy_global_to_shared(do_desc, [tma_batch, q_row0 + m * BM, head, j * W], do_ready.index(stage),
-                                            _tma_view(do_ring.index(PIECES * stage + j), do_desc))
-        tma.async_copy_global_to_shared(delta_desc, [tma_batch, head, stat0 + m * BM], do_ready.index(stage),
-                                        _tma_view(delta_ring.index(stage), delta_desc))
 
 
 @gluon.jit
@@ -803,7 +738,6 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         pieces = cfg.tail_split or tail_pieces(n_tiles, sms)
         n_split = n_tiles % sms or n_tiles
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
-        from . import bwd256  # imports this module's loader: not at the top
         bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg)
     else:
         split = None

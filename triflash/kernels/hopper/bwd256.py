@@ -20,7 +20,7 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
 * ``DS_WG1`` off (always with softcap, whose dS needs WG0's tanh): WG1 hands dP'^T to WG0
   in fp32 (``dp_buf``, XOR-swizzled: unswizzled, the accumulator's row pairs hit the same
   banks 8 ways and the backward was 8% slower), WG0 computes dS^T.
-* loader (1 warp): ``bwd._bwd_loader`` with ``SPLIT_D``: K and V halves once; Q / dO halves
+* loader (1 warp): ``bwd_loader._bwd_loader`` with ``SPLIT_D``: K and V halves once; Q / dO halves
   + lse_log2 / Delta per query block into ``STAGES``-deep rings (``q_ready``, ``do_ready``,
   ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
   no shared tile is ever sliced.
@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh
-from .bwd import _bwd_loader, _loader_barriers
+from .bwd_loader import _bwd_loader, _loader_barriers
 from .common import (_acc_layout, _key_tile, _tma_view, a_operand, clock, descriptor, global_ns, kernel_head_dim, sm_id,
                      planned_launch, stat_descriptor, to_16bit)
 

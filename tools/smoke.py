@@ -19,7 +19,7 @@ compiled for sm_90a without a GPU.
 no interpreter: run it in a process without TRITON_INTERPRET (``compile_sm90_subprocess``
 does that for callers that have it set).
 
-    python -m triflash.kernels.hopper.smoke [--block-m 64 --block-n 64 --headdim 128 --dtype bf16]
+    python -m tools.smoke [--block-m 64 --block-n 64 --headdim 128 --dtype bf16]
 """
 import argparse
 import json
@@ -135,12 +135,12 @@ def compile_sm90_subprocess(timeout=300, **kw):
     """``compile_sm90`` in a fresh interpreter whose environment lacks TRITON_INTERPRET."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "triflash.kernels.hopper.smoke", "--json"]
+    cmd = [sys.executable, "-m", "tools.smoke", "--json"]
     for key, val in kw.items():
         cmd += [f"--{key.replace('_', '-')}", str(val)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"sm_90a compile failed ({res.returncode}):\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -1,9 +1,11 @@
 """Compile the Triton kernels for Hopper (sm_90a) on any machine, GPU or not, and report what
 each launch the sm90 dispatch can make costs: shared memory, registers, spills.
 
-    python -m triflash.kernels.sm90_report             # the whole table (cached results reused)
-    python -m triflash.kernels.sm90_report --no-cache  # recompile everything, time each compile
-    python -m triflash.kernels.sm90_report --only ID ... [--json out.json]
+    python -m tools.sm90_report             # the whole table (cached results reused)
+    python -m tools.sm90_report --no-cache  # recompile everything, time each compile
+    python -m tools.sm90_report --only ID ... [--json out.json]
+
+(from the repository root: ``tools/`` is a developer folder beside the package, not installed).
 
 What is compiled, so that it matches real launches:
 
@@ -57,7 +59,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from . import configs
+from triflash.kernels import configs
 
 # Hopper: largest shared memory one block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin
 # on H100/H200; the SM has 228 KiB, 1 KiB of which is reserved per block).
@@ -79,7 +81,7 @@ _PORTABLE = ("the masked (causal/window/softcap/varlen) variants need the visibi
              "thread than Triton's 255-per-thread allocation gives, which is the Hopper tier's job")
 # Spill budgets by (kernel variant, head dim): the worst case over dtypes and features
 # (the full table: plain, causal, window, softcap, varlen, all), rounded up to 64 B, as measured by
-# ``python -m triflash.kernels.sm90_report`` at the tiles of commit 9f1c860, and at bcff93c for
+# this report (then ``triflash/kernels/sm90_report.py``) at the tiles of commit 9f1c860, and at bcff93c for
 # the backward tiles of the round-2 sweep (3-stage rings: more spills on the masked variants,
 # faster on the H200, sweep-h200-{4cf91bc,25aaea1}.json.gz). A change that spills more fails
 # tests/test_sm90_resources.py.
@@ -287,8 +289,8 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
     ``config``: None for the dispatch's own table, else the tile to use instead.
     Returns (the config used, [(kernel name, JIT/interpreted fn, args, kwargs), ...])."""
     import torch
-    from .. import dispatch
-    from . import portable
+    from triflash import dispatch
+    from triflash.kernels import portable
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     meta = dict(device="meta", dtype=dt)
     f32 = dict(device="meta", dtype=torch.float32)
@@ -413,7 +415,7 @@ class Unavailable(RuntimeError):
 
 def kernels_interpreted() -> bool:
     """True when triflash's kernels were built by Triton's CPU interpreter in this process."""
-    from .fwd import flash_fwd_kernel
+    from triflash.kernels.fwd import flash_fwd_kernel
     return type(flash_fwd_kernel).__name__ == "InterpretedFunction"
 
 
@@ -722,9 +724,16 @@ def _run_here(jobs: List[Job], workers: int, use_cache: bool, progress) -> Dict[
     return {job.id: dict(results[keys[job.id]], key=keys[job.id]) for job in jobs}
 
 
+# The repository root (tools/ sits beside triflash/): the subprocesses run ``python -m
+# tools.sm90_report`` with it first on PYTHONPATH, so that they import this checkout's tools
+# and triflash wherever the caller's working directory is.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _clean_env() -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
@@ -744,11 +753,11 @@ def run_report(jobs: Optional[List[Job]] = None, workers: Optional[int] = None,
         jobs_file, out = os.path.join(tmp, "jobs.json"), os.path.join(tmp, "out.json")
         with open(jobs_file, "w") as fh:
             json.dump([_job_to_json(j) for j in jobs], fh)
-        cmd = [sys.executable, "-m", "triflash.kernels.sm90_report", "--quiet", "--json", out,
+        cmd = [sys.executable, "-m", "tools.sm90_report", "--quiet", "--json", out,
                "--jobs-file", jobs_file, "--workers", str(workers)]
         if not use_cache:
             cmd.append("--no-cache")
-        proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=_clean_env(), cwd=REPO_ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"sm90 report subprocess failed ({proc.returncode}):\n"
                                f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -852,7 +861,7 @@ def format_table(jobs: List[Job], results: Dict[str, dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m triflash.kernels.sm90_report", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.sm90_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-cache", action="store_true",
                     help="recompile everything (Triton's cache bypassed too); shows compile times")
@@ -862,8 +871,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs-file", help="JSON list of jobs (run_report writes it)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    if kernels_interpreted():  # re-run without the interpreter
-        cmd = [sys.executable, "-m", "triflash.kernels.sm90_report",
+    if kernels_interpreted():  # re-run without the interpreter (same cwd: relative paths hold)
+        cmd = [sys.executable, "-m", "tools.sm90_report",
                *(sys.argv[1:] if argv is None else argv)]
         return subprocess.run(cmd, env=_clean_env()).returncode
 

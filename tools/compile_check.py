@@ -11,7 +11,7 @@ instructions are present.
 Gluon has no interpreter: run this in a process without TRITON_INTERPRET
 (``run_subprocess`` does that for callers that have it set, e.g. the test suite).
 
-    python -m triflash.kernels.hopper.compile_check [--json]
+    python -m tools.compile_check [--json]
 """
 import argparse
 import itertools
@@ -35,8 +35,8 @@ def _compile(kernel, args) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .. import sm90_report
-    from .smoke import _specialize
+    from tools import sm90_report
+    from tools.smoke import _specialize
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("Gluon has no interpreter: unset TRITON_INTERPRET (or use run_subprocess)")
     signature, constexprs, attrs = _specialize(kernel, args)
@@ -61,7 +61,7 @@ def _problem(headdim, dtype, feature, varlen=False):
     (cu_seqlens, seqused_k): None, or with ``varlen`` packed (total, heads, dim) tensors."""
     import torch
 
-    from ..portable import AttnParams
+    from triflash.kernels.portable import AttnParams
     causal, left, softcap = FEATURES[feature]
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     b, s, h, hk = 2, 1000, 4, 2
@@ -85,8 +85,8 @@ def _backward(headdim, dtype, feature, varlen):
     backward, as ``hopper.bwd.bwd`` builds them."""
     import torch
 
-    from . import bwd as B
-    from .common import Problem, stat_rows
+    from triflash.kernels.hopper import bwd as B
+    from triflash.kernels.hopper.common import Problem, stat_rows
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
     pb = Problem(q, k, p, cu, cu, None, used)
     if varlen:
@@ -105,9 +105,9 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
     batch with seqused_k (what ``flash_attn_with_kvcache`` runs)."""
     import torch
 
-    from .. import configs
-    from . import fwd as H
-    from .common import kernel_arg
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import fwd as H
+    from triflash.kernels.hopper.common import kernel_arg
     cfg = cfg or configs.SM90_HOPPER_FWD[H.kernel_head_dim(headdim)]
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
     if kvcache:
@@ -139,9 +139,9 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     ``varlen``: packed sequences."""
     import torch
 
-    from .. import configs
-    from . import bwd as B
-    from .common import kernel_head_dim
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd as B
+    from triflash.kernels.hopper.common import kernel_head_dim
     cfg = cfg or configs.SM90_HOPPER_BWD[kernel_head_dim(headdim)]
     pb, (q, k, v, do, _, dk, dv), stat, delta, p = _backward(headdim, dtype, feature, varlen)
     row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq,
@@ -153,7 +153,7 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
-        from . import bwd256
+        from triflash.kernels.hopper import bwd256
         if cfg.timeline:  # the probe's buffer (only its dtype specializes the kernel)
             bwd256.timeline_buffer = torch.empty(1 << 16, dtype=torch.int64)
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
@@ -176,7 +176,7 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
     ``stages``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
     packed sequences."""
-    from . import bwd_dq as Q
+    from triflash.kernels.hopper import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
     _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt,
                             v_stages=v_stages, own_blocks=own_blocks)
@@ -195,8 +195,8 @@ def all_fwd(dtypes=("bf16", "fp16")):
     """Every tile of configs.SM90_HOPPER_FWD, dense in both dtypes, varlen in bf16, and the
     KV-cache form (dense, seqused_k) in bf16 with causal and with window + softcap; the
     padded head dims (96, 192) in bf16, dense, varlen and the KV-cache form."""
-    from .. import configs
-    from .common import PADDED_HEAD_DIMS
+    from triflash.kernels import configs
+    from triflash.kernels.hopper.common import PADDED_HEAD_DIMS
     dims = sorted(configs.SM90_HOPPER_FWD)
     every = dims + sorted(PADDED_HEAD_DIMS)
     return ([compile_fwd(d, dt, f) for d in dims for dt in dtypes for f in FEATURES]
@@ -210,8 +210,8 @@ def all_bwd(dtypes=("bf16", "fp16")):
     where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too, and where
     it splits the last wave (``tail_split``) the split kernel without a mask; the
     padded head dims (96, 192) in bf16, dense and varlen."""
-    from .. import configs
-    from .common import PADDED_HEAD_DIMS, kernel_head_dim
+    from triflash.kernels import configs
+    from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     dims = sorted(configs.SM90_HOPPER_BWD)
     modes = {d: (False, True) if configs.SM90_HOPPER_BWD[kernel_head_dim(d)].atomic_dq else (False,)
              for d in dims + sorted(PADDED_HEAD_DIMS)}
@@ -231,9 +231,9 @@ def all_dq(dtypes=("bf16", "fp16")):
     """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it,
     dense in both dtypes and varlen in bf16; the padded head dims (96, 192) dense and varlen
     in bf16."""
-    from .. import configs
-    from . import bwd_dq as Q
-    from .common import PADDED_HEAD_DIMS
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd_dq as Q
+    from triflash.kernels.hopper.common import PADDED_HEAD_DIMS
     tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
     padded = [(d, configs.SM90_HOPPER_BWD[w]) for d, w in sorted(PADDED_HEAD_DIMS.items())]
 
@@ -264,8 +264,8 @@ def all_variants():
     per-thread partial row sums (``sum_partial``)."""
     import dataclasses
 
-    from .. import configs
-    from . import bwd_dq as Q
+    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd_dq as Q
     rows = []
     for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
         for f in ("plain", "causal"):
@@ -355,11 +355,11 @@ def run_subprocess(part="fwd", timeout=900) -> list:
         raise ValueError(f"part={part!r} is not one of {PARTS}")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     flags = [] if part == "fwd" else [f"--{part}"]
-    res = subprocess.run([sys.executable, "-m", "triflash.kernels.hopper.compile_check", "--json"] + flags,
-                         env=env, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run([sys.executable, "-m", "tools.compile_check", "--json"] + flags,
+                         env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"sm_90a compile failed ({res.returncode}):\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

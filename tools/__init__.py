@@ -1,0 +1,1 @@
+"""Developer tools beside the package (sm_90a compile reports and checks), not installed."""
