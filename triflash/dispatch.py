@@ -50,7 +50,7 @@ import os
 import torch
 
 from . import versions
-from .kernels import configs, portable
+from .kernels import configs, decode, portable
 from .kernels.fwd import flash_fwd_kernel
 
 try:  # Gluon ships with triton >= 3.5; the portable tier does not need it
@@ -183,12 +183,22 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, o
                         cfg, upcast=target == "interpret", out=out)
 
 
-def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params):
+def decodes(max_seqlen_q, nheads, nheads_kv, batch) -> bool:
+    """Whether a KV-cache call is a decoding step (kernels/decode.py): every query row of a
+    KV head's query heads fits one tile, and the grid fits CUDA's y / z axes."""
+    return decode.serves(max_seqlen_q, nheads, nheads_kv) and batch * nheads_kv <= GRID_YZ_MAX
+
+
+def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, num_splits=0):
     """The forward over a KV cache addressed through ``cache`` (``portable.CacheAddressing``:
-    cache_batch_idx, cache_leftpad, a page table) or under packed queries (cu_seqlens_q):
-    the portable kernels on every target (the Hopper forward reads K/V in TMA boxes of
-    contiguous rows of one batch)."""
+    cache_batch_idx, cache_leftpad, a page table, or a dense cache) or under packed queries
+    (cu_seqlens_q): a decoding step runs the decode kernel (packed GQA, split keys) on every
+    target; longer queries the portable forward (the Hopper forward reads K/V in TMA boxes
+    of contiguous rows of one batch)."""
     target = target_of(q.device)
+    batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
+    if decodes(params.max_seqlen_q, q.shape[-2], k_cache.shape[-2], batch):
+        return decode.fwd(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, target, num_splits)
     if backend() == "hopper":
         raise NotImplementedError("triflash: the Hopper forward does not serve a KV cache with "
                                   "cache_batch_idx, cache_leftpad, a page table or varlen q")

@@ -31,7 +31,7 @@ as are FA4's None windows; refusals raise "name=value is not supported: what is 
 """
 import torch
 
-from . import ops
+from . import dispatch, ops
 from . import validation as V
 from .rotary import apply_rotary, token_positions
 
@@ -302,10 +302,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         q = V.last_dim_contiguous(q)
         max_q = max_seqlen_q if varlen_q else q.shape[1]
         ints, floats = ops.pack_scalars(max_q, capacity, softmax_scale, left, right, softcap, False)
-        if varlen_q or cache_batch_idx is not None or cache_leftpad is not None or page_table is not None:
+        if (varlen_q or cache_batch_idx is not None or cache_leftpad is not None or page_table is not None
+                or dispatch.decodes(max_q, q.shape[-2], k_cache.shape[-2], batch)):
+            num_splits = V.as_int("num_splits", num_splits, "expected an int, 0 for a heuristic")
             out, lse = ops.fwd_kvcache(q, k_cache, v_cache, cu_seqlens_q, used, cache_batch_idx,
-                                       cache_leftpad, page_table, ints, floats)
-        else:  # a plain dense cache: the dense kernels (the Hopper tier on sm90)
+                                       cache_leftpad, page_table, ints + [max(num_splits, 0)], floats)
+        else:  # prefill over a plain dense cache: the dense kernels (the Hopper tier on sm90)
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
     return (out, lse) if return_softmax_lse else out
 

@@ -266,9 +266,12 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Optio
                 page_table: Optional[Tensor], ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q, dense or packed (``cu_seqlens_q``, ints[0] the longest sequence), over
     a KV cache addressed through ``cache_batch_idx`` (batch_idx), ``cache_leftpad``
-    (k_start) or a page table (``portable.CacheAddressing``). Forward only."""
+    (k_start) or a page table (``portable.CacheAddressing``), or neither (a dense cache).
+    ``ints``: ``pack_scalars``'s, then num_splits. Forward only."""
     cache = CacheAddressing(batch_idx=batch_idx, start=k_start, page_table=page_table)
-    return dispatch.run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, _params(ints, floats))
+    num_splits = ints[5] if len(ints) > 5 else 0  # (FA3's num_splits: 0 picks)
+    return dispatch.run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache,
+                                  _params(ints, floats), num_splits)
 
 
 @fwd_kvcache.register_fake

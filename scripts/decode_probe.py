@@ -1,0 +1,105 @@
+"""Decode tile probe on the GPU: K+V bytes read per second of flash_attn_with_kvcache for
+the decode cases under a few DecodeConfigs, beside SDPA-cuDNN (dense) and a device copy.
+
+    python scripts/decode_probe.py [--configs 64x4x4,32x4x4,...] [--json PATH]
+"""
+import argparse
+import json
+import torch
+import triflash
+from triflash.kernels import decode
+
+CASES = [  # batch, cache len, hq, hkv, d, page, seqlen_q
+    (64, 8192, 32, 8, 128, None, 1), (64, 8192, 32, 8, 128, 64, 1), (128, 4096, 32, 8, 128, 16, 1),
+    (1, 131072, 32, 8, 128, None, 1), (32, 8192, 16, 2, 256, None, 1), (64, 8192, 32, 8, 128, None, 4),
+    (8, 32768, 32, 8, 128, None, 1), (64, 8192, 32, 8, 128, 1, 1), (64, 8192, 32, 8, 64, None, 1),
+]
+
+
+def timeit(fn, reps=20):
+    fn(); torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = []
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record(); torch.cuda.synchronize()
+        best.append(start.elapsed_time(end) / reps * 1e-3)
+    return min(best)
+
+
+def make(case, dtype=torch.bfloat16):
+    b, n, hq, hk, d, page, sq = case
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    if page:
+        nb = b * n // page
+        kv = torch.randn(nb, page, 2, hk, d, device="cuda", dtype=dtype)
+        kc, vc = kv[:, :, 0], kv[:, :, 1]
+        pt = torch.randperm(nb, device="cuda", dtype=torch.int32).view(b, n // page)
+    else:
+        kc = torch.randn(b, n, hk, d, device="cuda", dtype=dtype)
+        vc = torch.randn(b, n, hk, d, device="cuda", dtype=dtype)
+        pt = None
+    lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    return q, kc, vc, pt, lens
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    cfgs = [None] + [decode.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",") if c]
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+    copy = 2 * x.numel() / timeit(lambda: y.copy_(x)) / 1e12
+    print(f"copy {copy:.2f} TB/s", flush=True)
+    del x, y
+    rows = []
+    orig = decode.config
+    for case in CASES:
+        b, n, hq, hk, d, page, sq = case
+        q, kc, vc, pt, lens = make(case)
+        nbytes = b * n * hk * d * 2 * 2
+        line = {"case": case}
+        # correctness against SDPA math on one sequence
+        out = triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True)
+        if pt is None:
+            kd, vd = kc[:1], vc[:1]
+        else:
+            kd = kc[pt[0].long()].reshape(1, n, hk, d); vd = vc[pt[0].long()].reshape(1, n, hk, d)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[:1].transpose(1, 2).float(), kd.transpose(1, 2).float(), vd.transpose(1, 2).float(),
+            enable_gqa=True, is_causal=False if sq == 1 else False,
+            attn_mask=None if sq == 1 else torch.ones(sq, n, dtype=torch.bool, device="cuda").tril(n - sq)).transpose(1, 2)
+        line["max_err"] = (out[:1].float() - ref).abs().max().item()
+        for cfg in cfgs:
+            decode.config = orig if cfg is None else (lambda t, d_, dv_, c=cfg: c)
+            try:
+                t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True))
+                line[str(cfg and (cfg.block_n, cfg.num_warps, cfg.num_stages) or "default")] = round(nbytes / t / 1e12, 3)
+            except Exception as e:  # noqa
+                line[str(cfg)] = repr(e)[:100]
+        decode.config = orig
+        if pt is None and sq == 1:
+            from torch.nn.attention import sdpa_kernel, SDPBackend
+            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel(be):
+                        t = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+                    line[name] = round(nbytes / t / 1e12, 3)
+                except Exception as e:  # noqa
+                    line[name] = repr(e)[:80]
+        print(json.dumps(line), flush=True)
+        rows.append(line)
+        del q, kc, vc, pt
+        torch.cuda.empty_cache()
+    if a.json:
+        json.dump({"copy_tb_s": copy, "rows": rows}, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

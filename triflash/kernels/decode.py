@@ -1,0 +1,377 @@
+"""Decoding: a few query tokens per sequence against a long KV cache (FlashDecoding with
+FlashAttention-3's packed GQA), plain Triton, every target and the CPU interpreter.
+
+A decoding step reads the whole cache once for a handful of query rows, so its speed is the
+bytes it streams per second. Two things make a launch stream at the card's bandwidth:
+
+* **packed GQA**: the query heads of one KV head are rows of one tile (row r of a tile is
+  query token r // GROUP of query head ``head_kv * GROUP + r % GROUP``), so each K/V block
+  is read once per KV head, not once per query head;
+* **split keys**: when batch x KV heads x query tiles leaves SMs idle, each tile's key
+  blocks are cut into ``num_splits`` equal shares, one program each. A share leaves its rows'
+  output normalized by its own row sums (fp32) and their natural-log log-sum-exps in a
+  workspace; ``decode_combine_kernel`` merges a tile's shares: with lse = log(sum_i
+  exp(lse_i)), O = sum_i exp(lse_i - lse) O_i.
+
+The cache is addressed as ``portable.CacheAddressing`` says (dense, cache_batch_idx,
+cache_leftpad, a page table of any page size); key j of a sequence is its logical cache row
+``k_start + j``. Masks (causal, sliding window) are bottom-right aligned to the sequence's
+keys as in every other kernel (``common`` module docstring), per query token.
+
+The launch plan (``plan``) depends only on shapes, so a captured CUDA graph replays it.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import cache_batch, ceil_div, paged_rows, scores, seqlen_info, to_output, visible
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """A decode tile: ``block_n`` keys per step, ``num_stages`` of them in flight."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
+# are prefill, which the dense kernels serve.
+MAX_ROWS = 64
+# Splits per tile at most (the combine loops over them) and keys per split at least.
+MAX_SPLITS = 128
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def config(target: str, headdim: int, headdim_v: int) -> DecodeConfig:
+    if target == "interpret":
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    if max(headdim, headdim_v) > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=4)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=4)
+
+
+def serves(seqlen_q: int, nheads: int, nheads_kv: int) -> bool:
+    """Whether a call is a decoding step: one tile's rows hold every query token of a KV
+    head's query heads."""
+    return seqlen_q * (nheads // nheads_kv) <= MAX_ROWS
+
+
+def block_m(max_seqlen_q: int, group: int) -> int:
+    return max(16, triton.next_power_of_2(max_seqlen_q * group))
+
+
+def num_splits_for(tiles: int, key_blocks: int, num_sms: int, requested: int = 0) -> int:
+    """Splits per tile. ``requested`` > 0 (FA3's ``num_splits``) is honoured up to the key
+    blocks and MAX_SPLITS; 0 picks them: none when the tiles already fill the SMs, else the
+    fewest that bring the last wave within 15% of the best wave efficiency, each split at
+    least MIN_BLOCKS_PER_SPLIT key blocks (FA3's heuristic, on the SM count)."""
+    cap = max(1, min(MAX_SPLITS, key_blocks))
+    if requested > 0:
+        return min(requested, cap)
+    if tiles >= 0.8 * num_sms:
+        return 1
+    cap = max(1, min(cap, key_blocks // MIN_BLOCKS_PER_SPLIT))
+
+    def efficiency(s):
+        waves = tiles * s / num_sms
+        return waves / ceil_div(tiles * s, num_sms)
+
+    best = max(efficiency(s) for s in range(1, cap + 1))
+    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.85 * best)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch: ``splits`` shares per tile of BLOCK_M packed rows; (grid of the decode
+    kernel: (splits, m tiles, batch * nheads_kv))."""
+    block_m: int
+    m_tiles: int
+    splits: int
+    cfg: DecodeConfig
+
+
+_SMS = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headdim, headdim_v,
+         num_splits=0) -> Plan:
+    cfg = config(target, headdim, headdim_v)
+    group = nheads // nheads_kv
+    bm = block_m(max_seqlen_q, group)
+    m_tiles = ceil_div(max_seqlen_q * group, bm)
+    tiles = batch * nheads_kv * m_tiles
+    splits = num_splits_for(tiles, ceil_div(capacity, cfg.block_n), _num_sms(device), num_splits)
+    return Plan(bm, m_tiles, splits, cfg)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
+            lo, hi, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
+            window_left, window_right, qk_scale, softcap_log2,
+            HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+            UPCAST: tl.constexpr, PAGED: tl.constexpr):
+    """Online softmax over key blocks [lo, hi); ``tok``: each row's query token (masks)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_cols = offs_d[None, :] < HEADDIM
+    v_cols = offs_dv[None, :] < HEADDIM_V
+    for n_block in range(lo, hi):
+        offs_n = n_block * BLOCK_N + offs_n0
+        if PAGED:  # one page-table read per key serves K and V
+            blk, row = paged_rows(page_row, k_first + offs_n, offs_n < len_k, page_size, num_kv_blocks)
+            k_ptrs = k_base + (blk * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
+            v_ptrs = v_base + (blk * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
+        else:
+            k_ptrs = k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=(offs_n[:, None] < len_k) & k_cols, other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < len_k) & v_cols, other=0.0)
+        elif HEADDIM == BLOCK_D and HEADDIM_V == BLOCK_DV:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=k_cols, other=0.0)
+            v = tl.load(v_ptrs, mask=v_cols, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = scores(tl.dot(q, tl.trans(k)), qk_scale, softcap_log2, SOFTCAP)
+        if MASK:
+            s = tl.where(visible(tok[:, None], offs_n[None, :], len_q, len_k,
+                                 window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def decode_kernel(
+    Q, K, V, O, LSE, O_PART, LSE_PART,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
+    stride_lseb, stride_lseh, stride_lsem,
+    cu_seqlens_q, seqused_k, KV_BATCH, K_START, PAGE_TABLE, stride_ptb, page_size, num_kv_blocks,
+    nheads_kv, seqlen_q, seqlen_k, total_q, num_splits,
+    qk_scale, softcap_log2, window_left, window_right,
+    GROUP: tl.constexpr, HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_KV_BATCH: tl.constexpr, HAS_K_START: tl.constexpr, PAGED: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Program (split, m tile, batch * nheads_kv + head_kv)."""
+    split = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    bh = tl.program_id(2)
+    batch = bh // nheads_kv
+    head_kv = bh % nheads_kv
+    start_q, len_q, _, len_k = seqlen_info(batch, seqlen_q, seqlen_k, total_q, 0, cu_seqlens_q,
+                                           cu_seqlens_q, seqused_k, seqused_k, IS_VARLEN, False,
+                                           HAS_SEQUSED_K, True)
+    k_first = 0
+    if HAS_K_START:  # keys k_first .. len_k - 1 of the cache (left padding skipped)
+        k_first = tl.minimum(tl.maximum(tl.load(K_START + batch), 0), len_k)
+        len_k -= k_first
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = head_kv * GROUP + rows % GROUP
+    row_ok = tok < len_q
+    tile = bh * tl.num_programs(1) + m_tile
+    if SPLIT:
+        part = (split * tl.num_programs(2) * tl.num_programs(1) + tile).to(tl.int64) * BLOCK_M + rows - m_tile * BLOCK_M
+    if m_tile * BLOCK_M >= len_q * GROUP:
+        if SPLIT:  # the combine reads every share of a tile
+            tl.store(LSE_PART + part, tl.full([BLOCK_M], float("-inf"), tl.float32))
+        return
+
+    # Key blocks the tile's tokens see (bottom-right aligned masks), then this split's share.
+    shift = len_k - len_q
+    tok_lo = (m_tile * BLOCK_M) // GROUP
+    tok_hi = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, len_q - 1)
+    n_end = len_k
+    full_end = len_k
+    if HAS_RIGHT:
+        n_end = tl.maximum(tl.minimum(tok_hi + shift + window_right + 1, len_k), 0)
+        full_end = tl.maximum(tl.minimum(tok_lo + shift + window_right + 1, len_k), 0)
+    n_start = 0
+    full_start = 0
+    if HAS_LEFT:
+        n_start = tl.maximum(tok_lo + shift - window_left, 0)
+        full_start = tl.maximum(tok_hi + shift - window_left, 0)
+    n_lo = n_start // BLOCK_N
+    n_hi = tl.cdiv(n_end, BLOCK_N)
+    per = tl.cdiv(tl.maximum(n_hi - n_lo, 0), num_splits)
+    lo = tl.minimum(n_lo + split * per, n_hi)
+    hi = tl.minimum(lo + per, n_hi)
+    # blocks every row sees whole: no mask
+    f_lo = tl.minimum(tl.maximum(tl.cdiv(full_start, BLOCK_N), lo), hi)
+    f_hi = tl.minimum(tl.maximum(full_end // BLOCK_N, f_lo), hi)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + (start_q + tok).to(tl.int64)[:, None] * stride_qm
+              + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    kv_batch = cache_batch(KV_BATCH, batch, num_kv_blocks, HAS_KV_BATCH)
+    if PAGED:  # rows found per key block
+        k_base = K + head_kv.to(tl.int64) * stride_kh
+        v_base = V + head_kv.to(tl.int64) * stride_vh
+    else:
+        k_base = (K + kv_batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+                  + k_first.to(tl.int64) * stride_kn)
+        v_base = (V + kv_batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+                  + k_first.to(tl.int64) * stride_vn)
+    page_row = PAGE_TABLE + batch.to(tl.int64) * stride_ptb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # masked left edge (sliding window), unmasked middle, masked right edge (causal / tail)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
+                            lo, f_lo, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
+                            window_left, window_right, qk_scale, softcap_log2, HEADDIM, HEADDIM_V,
+                            BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
+                            f_lo, f_hi, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
+                            window_left, window_right, qk_scale, softcap_log2, HEADDIM, HEADDIM_V,
+                            BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
+                            f_hi, hi, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
+                            window_left, window_right, qk_scale, softcap_log2, HEADDIM, HEADDIM_V,
+                            BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
+
+    # A row that saw no key: output 0, lse = -inf (never NaN).
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if SPLIT:
+        tl.store(LSE_PART + part, lse)
+        tl.store(O_PART + part[:, None] * BLOCK_DV + offs_dv[None, :], out)
+    else:
+        tl.store(O + batch.to(tl.int64) * stride_ob + (start_q + tok).to(tl.int64)[:, None] * stride_om
+                 + head.to(tl.int64)[:, None] * stride_oh + offs_dv[None, :],
+                 to_output(out, O.dtype.element_ty, UPCAST), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+        tl.store(LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+                 + (start_q + tok).to(tl.int64) * stride_lsem, lse, mask=row_ok)
+
+
+@triton.jit
+def decode_combine_kernel(
+    O, LSE, O_PART, LSE_PART, stride_ob, stride_om, stride_oh, stride_lseb, stride_lseh, stride_lsem,
+    cu_seqlens_q, nheads_kv, seqlen_q, total_q, num_splits,
+    GROUP: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Program (m tile, batch * nheads_kv + head_kv): merges the tile's ``num_splits`` shares."""
+    m_tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // nheads_kv
+    head_kv = bh % nheads_kv
+    start_q, len_q, _, _ = seqlen_info(batch, seqlen_q, 0, total_q, 0, cu_seqlens_q, cu_seqlens_q,
+                                       cu_seqlens_q, cu_seqlens_q, IS_VARLEN, False, False, True)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = head_kv * GROUP + rows % GROUP
+    row_ok = tok < len_q
+    if m_tile * BLOCK_M >= len_q * GROUP:
+        return
+    tiles = tl.num_programs(1) * tl.num_programs(0)
+    tile = bh * tl.num_programs(0) + m_tile
+    offs_dv = tl.arange(0, BLOCK_DV)
+    r = tl.arange(0, BLOCK_M)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(LSE_PART + (s * tiles + tile).to(tl.int64) * BLOCK_M + r))
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # a row no share saw a key for
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(num_splits):
+        part = (s * tiles + tile).to(tl.int64) * BLOCK_M + r
+        w = tl.exp(tl.load(LSE_PART + part) - m_use)
+        acc += w[:, None] * tl.load(O_PART + part[:, None] * BLOCK_DV + offs_dv[None, :])
+        total += w
+    seen = total > 0.0
+    t_safe = tl.where(seen, total, 1.0)
+    out = acc / t_safe[:, None]
+    lse = tl.where(seen, m_use + tl.log(t_safe), float("-inf"))
+    tl.store(O + batch.to(tl.int64) * stride_ob + (start_q + tok).to(tl.int64)[:, None] * stride_om
+             + head.to(tl.int64)[:, None] * stride_oh + offs_dv[None, :],
+             to_output(out, O.dtype.element_ty, UPCAST), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
+    tl.store(LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+             + (start_q + tok).to(tl.int64) * stride_lsem, lse, mask=row_ok)
+
+
+def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int = 0):
+    """(out, lse) with FlashAttention-3's shapes of q (dense (batch, seqlen_q, nheads, d) or
+    packed with ``cu_seqlens_q``) over a KV cache (``portable.CacheAddressing``; dense caches
+    too), ``p.max_seqlen_k`` the cache's capacity per sequence, ``seqused_k`` (batch,) int32
+    the keys each sequence has (None: the capacity)."""
+    from .portable import _bshd_strides, _lse_strides, alloc_fwd_outputs, CacheAddressing
+
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    d, dv = q.shape[-1], v.shape[-1]
+    out, lse = alloc_fwd_outputs(q, v, varlen)
+    if batch == 0 or p.max_seqlen_q == 0 or nheads == 0:
+        return out, lse
+    group = nheads // nheads_kv
+    pl = plan(target, q.device, batch, p.max_seqlen_q, p.max_seqlen_k, nheads, nheads_kv, d, dv, num_splits)
+    block_dv = max(16, triton.next_power_of_2(dv))
+    split = pl.splits > 1
+    tiles = batch * nheads_kv * pl.m_tiles
+    if split:
+        lse_part = torch.empty((pl.splits * tiles * pl.block_m,), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((pl.splits * tiles * pl.block_m, block_dv), dtype=torch.float32, device=q.device)
+    else:
+        lse_part = o_part = lse
+    cache_args, cache_flags = (cache or CacheAddressing()).kernel_args(k, q)
+    qk_scale, softcap_log2 = p.score_constants()
+    dummy = q
+    total_q = q.shape[0] if varlen else q.shape[1]
+    upcast = target == "interpret"
+    decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
+        q, k, v, out, lse, o_part, lse_part,
+        *_bshd_strides(q, varlen), *_bshd_strides(k, False), *_bshd_strides(v, False),
+        *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
+        cu_seqlens_q if varlen else dummy, seqused_k if seqused_k is not None else dummy, *cache_args,
+        nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits,
+        qk_scale, softcap_log2, p.window_left, p.window_right,
+        GROUP=group, HEADDIM=d, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_N=pl.cfg.block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=block_dv,
+        IS_VARLEN=varlen, HAS_SEQUSED_K=seqused_k is not None, HAS_LEFT=p.window_left >= 0,
+        HAS_RIGHT=p.window_right >= 0, SOFTCAP=p.softcap > 0.0, UPCAST=upcast, **cache_flags,
+        SPLIT=split, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
+    if split:
+        decode_combine_kernel[(pl.m_tiles, batch * nheads_kv)](
+            out, lse, o_part, lse_part, *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
+            cu_seqlens_q if varlen else dummy, nheads_kv, p.max_seqlen_q, total_q, pl.splits,
+            GROUP=group, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_DV=block_dv, IS_VARLEN=varlen,
+            UPCAST=upcast, num_warps=4)
+    return out, lse
