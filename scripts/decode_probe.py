@@ -51,6 +51,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument("--splits", default="")
     a = ap.parse_args()
     cfgs = [None] + [decode.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",") if c]
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
@@ -76,13 +77,17 @@ def main():
             attn_mask=None if sq == 1 else torch.ones(sq, n, dtype=torch.bool, device="cuda").tril(n - sq)).transpose(1, 2)
         line["max_err"] = (out[:1].float() - ref).abs().max().item()
         for cfg in cfgs:
-            decode.config = orig if cfg is None else (lambda t, d_, dv_, c=cfg: c)
+            decode.config = orig if cfg is None else (lambda t, d_, dv_, pg, c=cfg: c)
             try:
                 t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True))
                 line[str(cfg and (cfg.block_n, cfg.num_warps, cfg.num_stages) or "default")] = round(nbytes / t / 1e12, 3)
             except Exception as e:  # noqa
                 line[str(cfg)] = repr(e)[:100]
         decode.config = orig
+        if b * hk < 132:
+            for ns in [int(x) for x in a.splits.split(",") if x]:
+                t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True, num_splits=ns))
+                line[f"splits{ns}"] = round(nbytes / t / 1e12, 3)
         if pt is None and sq == 1:
             from torch.nn.attention import sdpa_kernel, SDPBackend
             qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)

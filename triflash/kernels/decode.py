@@ -45,12 +45,21 @@ MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4
 
 
-def config(target: str, headdim: int, headdim_v: int) -> DecodeConfig:
+def config(target: str, headdim: int, headdim_v: int, paged: bool) -> DecodeConfig:
     if target == "interpret":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     if max(headdim, headdim_v) > 128:
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=4)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=4)
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=6)
+    if paged:  # rows gathered through the page table: narrower steps, more of them in flight
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=6)
+    return DecodeConfig(block_n=128, num_warps=8, num_stages=3)
+
+
+def ctas_per_sm(cfg: DecodeConfig, headdim: int, headdim_v: int) -> int:
+    """How many decode CTAs an SM holds: shared memory of the K/V stages (2-byte elements)
+    against Hopper's 227 KiB, at most 4."""
+    stage = cfg.block_n * (headdim + headdim_v) * 2
+    return max(1, min(4, 232448 // max(1, cfg.num_stages * stage)))
 
 
 def serves(seqlen_q: int, nheads: int, nheads_kv: int) -> bool:
@@ -63,24 +72,23 @@ def block_m(max_seqlen_q: int, group: int) -> int:
     return max(16, triton.next_power_of_2(max_seqlen_q * group))
 
 
-def num_splits_for(tiles: int, key_blocks: int, num_sms: int, requested: int = 0) -> int:
+def num_splits_for(tiles: int, key_blocks: int, slots: int, requested: int = 0) -> int:
     """Splits per tile. ``requested`` > 0 (FA3's ``num_splits``) is honoured up to the key
-    blocks and MAX_SPLITS; 0 picks them: none when the tiles already fill the SMs, else the
-    fewest that bring the last wave within 15% of the best wave efficiency, each split at
-    least MIN_BLOCKS_PER_SPLIT key blocks (FA3's heuristic, on the SM count)."""
+    blocks and MAX_SPLITS; 0 picks them: none when the tiles already fill most of the
+    ``slots`` (CTAs the GPU runs at once), else the fewest that bring the CTAs to a wave
+    efficiency within 5% of the best, each split at least MIN_BLOCKS_PER_SPLIT key blocks."""
     cap = max(1, min(MAX_SPLITS, key_blocks))
     if requested > 0:
         return min(requested, cap)
-    if tiles >= 0.8 * num_sms:
+    if tiles >= 0.8 * slots:
         return 1
     cap = max(1, min(cap, key_blocks // MIN_BLOCKS_PER_SPLIT))
 
     def efficiency(s):
-        waves = tiles * s / num_sms
-        return waves / ceil_div(tiles * s, num_sms)
+        return tiles * s / (ceil_div(tiles * s, slots) * slots)
 
     best = max(efficiency(s) for s in range(1, cap + 1))
-    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.85 * best)
+    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.95 * best)
 
 
 @dataclass(frozen=True)
@@ -106,13 +114,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headdim, headdim_v,
-         num_splits=0) -> Plan:
-    cfg = config(target, headdim, headdim_v)
+         paged=False, num_splits=0) -> Plan:
+    cfg = config(target, headdim, headdim_v, paged)
     group = nheads // nheads_kv
     bm = block_m(max_seqlen_q, group)
     m_tiles = ceil_div(max_seqlen_q * group, bm)
     tiles = batch * nheads_kv * m_tiles
-    splits = num_splits_for(tiles, ceil_div(capacity, cfg.block_n), _num_sms(device), num_splits)
+    slots = _num_sms(device) * ctas_per_sm(cfg, headdim, headdim_v)
+    splits = num_splits_for(tiles, ceil_div(capacity, cfg.block_n), slots, num_splits)
     return Plan(bm, m_tiles, splits, cfg)
 
 
@@ -342,7 +351,8 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     if batch == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     group = nheads // nheads_kv
-    pl = plan(target, q.device, batch, p.max_seqlen_q, p.max_seqlen_k, nheads, nheads_kv, d, dv, num_splits)
+    paged = cache is not None and cache.page_table is not None
+    pl = plan(target, q.device, batch, p.max_seqlen_q, p.max_seqlen_k, nheads, nheads_kv, d, dv, paged, num_splits)
     block_dv = max(16, triton.next_power_of_2(dv))
     split = pl.splits > 1
     tiles = batch * nheads_kv * pl.m_tiles
