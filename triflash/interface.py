@@ -305,8 +305,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if (varlen_q or cache_batch_idx is not None or cache_leftpad is not None or page_table is not None
                 or dispatch.decodes(max_q, q.shape[-2], k_cache.shape[-2], batch)):
             num_splits = V.as_int("num_splits", num_splits, "expected an int, 0 for a heuristic")
-            out, lse = ops.fwd_kvcache(q, k_cache, v_cache, cu_seqlens_q, used, cache_batch_idx,
-                                       cache_leftpad, page_table, ints + [max(num_splits, 0)], floats)
+            out, lse = ops.attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, used, cache_batch_idx,
+                                             cache_leftpad, page_table, ints + [max(num_splits, 0)], floats)
         else:  # prefill over a plain dense cache: the dense kernels (the Hopper tier on sm90)
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
     return (out, lse) if return_softmax_lse else out

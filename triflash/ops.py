@@ -268,10 +268,27 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Optio
     a KV cache addressed through ``cache_batch_idx`` (batch_idx), ``cache_leftpad``
     (k_start) or a page table (``portable.CacheAddressing``), or neither (a dense cache).
     ``ints``: ``pack_scalars``'s, then num_splits. Forward only."""
+    return _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
+                             page_table, ints, floats)
+
+
+def _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start, page_table,
+                      ints, floats):
     cache = CacheAddressing(batch_idx=batch_idx, start=k_start, page_table=page_table)
     num_splits = ints[5] if len(ints) > 5 else 0  # (FA3's num_splits: 0 picks)
     return dispatch.run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache,
                                   _params(ints, floats), num_splits)
+
+
+def attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start, page_table,
+                      ints, floats):
+    """``fwd_kvcache``: the custom op under torch.compile, else its implementation called
+    directly (a decoding step is short enough for the op's per-call Python work to show)."""
+    if torch.compiler.is_compiling():
+        return fwd_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
+                           page_table, ints, floats)
+    return _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
+                             page_table, ints, floats)
 
 
 @fwd_kvcache.register_fake

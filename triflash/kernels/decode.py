@@ -20,6 +20,7 @@ keys as in every other kernel (``common`` module docstring), per query token.
 
 The launch plan (``plan``) depends only on shapes, so a captured CUDA graph replays it.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,7 @@ def _num_sms(device: torch.device) -> int:
     return n
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headdim, headdim_v,
          paged=False, num_splits=0) -> Plan:
     cfg = config(target, headdim, headdim_v, paged)
@@ -293,47 +295,44 @@ def decode_kernel(
 @triton.jit
 def decode_combine_kernel(
     O, LSE, O_PART, LSE_PART, stride_ob, stride_om, stride_oh, stride_lseb, stride_lseh, stride_lsem,
-    cu_seqlens_q, nheads_kv, seqlen_q, total_q, num_splits,
+    cu_seqlens_q, nheads_kv, seqlen_q, total_q, num_splits, m_tiles,
     GROUP: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Program (m tile, batch * nheads_kv + head_kv): merges the tile's ``num_splits`` shares."""
-    m_tile = tl.program_id(0)
-    bh = tl.program_id(1)
+    """Program (row of a tile, tile, CHUNK columns): merges that row's ``num_splits`` shares,
+    all loaded at once (BLOCK_S >= num_splits)."""
+    r = tl.program_id(0)
+    tile = tl.program_id(1)
+    bh = tile // m_tiles
+    m_tile = tile - bh * m_tiles
     batch = bh // nheads_kv
-    head_kv = bh % nheads_kv
+    head_kv = bh - batch * nheads_kv
     start_q, len_q, _, _ = seqlen_info(batch, seqlen_q, 0, total_q, 0, cu_seqlens_q, cu_seqlens_q,
                                        cu_seqlens_q, cu_seqlens_q, IS_VARLEN, False, False, True)
-    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    head = head_kv * GROUP + rows % GROUP
-    row_ok = tok < len_q
-    if m_tile * BLOCK_M >= len_q * GROUP:
+    row = m_tile * BLOCK_M + r
+    tok = row // GROUP
+    if tok >= len_q:
         return
-    tiles = tl.num_programs(1) * tl.num_programs(0)
-    tile = bh * tl.num_programs(0) + m_tile
-    offs_dv = tl.arange(0, BLOCK_DV)
-    r = tl.arange(0, BLOCK_M)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(LSE_PART + (s * tiles + tile).to(tl.int64) * BLOCK_M + r))
+    head = head_kv * GROUP + row % GROUP
+    splits = tl.arange(0, BLOCK_S)
+    cols = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    part = (splits * tl.num_programs(1) + tile).to(tl.int64) * BLOCK_M + r
+    lse_s = tl.load(LSE_PART + part, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)  # a row no share saw a key for
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(num_splits):
-        part = (s * tiles + tile).to(tl.int64) * BLOCK_M + r
-        w = tl.exp(tl.load(LSE_PART + part) - m_use)
-        acc += w[:, None] * tl.load(O_PART + part[:, None] * BLOCK_DV + offs_dv[None, :])
-        total += w
+    w = tl.exp(lse_s - m_use)
+    total = tl.sum(w, 0)
+    o_s = tl.load(O_PART + part[:, None] * BLOCK_DV + cols[None, :], mask=(splits < num_splits)[:, None], other=0.0)
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)
-    out = acc / t_safe[:, None]
-    lse = tl.where(seen, m_use + tl.log(t_safe), float("-inf"))
-    tl.store(O + batch.to(tl.int64) * stride_ob + (start_q + tok).to(tl.int64)[:, None] * stride_om
-             + head.to(tl.int64)[:, None] * stride_oh + offs_dv[None, :],
-             to_output(out, O.dtype.element_ty, UPCAST), mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
-    tl.store(LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
-             + (start_q + tok).to(tl.int64) * stride_lsem, lse, mask=row_ok)
+    out = tl.sum(w[:, None] * o_s, 0) / t_safe
+    o_ptrs = (O + batch.to(tl.int64) * stride_ob + (start_q + tok).to(tl.int64) * stride_om
+              + head.to(tl.int64) * stride_oh + cols)
+    tl.store(o_ptrs, to_output(out, O.dtype.element_ty, UPCAST), mask=cols < HEADDIM_V)
+    if tl.program_id(2) == 0:
+        tl.store(LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
+                 + (start_q + tok).to(tl.int64) * stride_lsem,
+                 tl.where(seen, m_use + tl.log(t_safe), float("-inf")))
 
 
 def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int = 0):
@@ -379,9 +378,11 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
         HAS_RIGHT=p.window_right >= 0, SOFTCAP=p.softcap > 0.0, UPCAST=upcast, **cache_flags,
         SPLIT=split, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
     if split:
-        decode_combine_kernel[(pl.m_tiles, batch * nheads_kv)](
+        block_s = triton.next_power_of_2(pl.splits)
+        chunk = min(block_dv, max(16, 8192 // block_s))  # (an 8K-element tile of shares per program)
+        decode_combine_kernel[(pl.block_m, tiles, block_dv // chunk)](
             out, lse, o_part, lse_part, *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
-            cu_seqlens_q if varlen else dummy, nheads_kv, p.max_seqlen_q, total_q, pl.splits,
-            GROUP=group, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_DV=block_dv, IS_VARLEN=varlen,
-            UPCAST=upcast, num_warps=4)
+            cu_seqlens_q if varlen else dummy, nheads_kv, p.max_seqlen_q, total_q, pl.splits, pl.m_tiles,
+            GROUP=group, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_DV=block_dv, BLOCK_S=block_s,
+            CHUNK=chunk, IS_VARLEN=varlen, UPCAST=upcast, num_warps=4)
     return out, lse
