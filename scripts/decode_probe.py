@@ -102,7 +102,6 @@ def main():
             except Exception as e:  # noqa
                 line[str(cfg)] = repr(e)[:100]
         decode.config = orig
-        global GRAPH
         GRAPH = False
         t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True))
         GRAPH = True
