@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--configs", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--splits", default="")
+    ap.add_argument("--cases", default="")
     a = ap.parse_args()
     cfgs = [None] + [decode.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",") if c]
     global GRAPH
@@ -79,6 +80,8 @@ def main():
     rows = []
     orig = decode.config
     for case in CASES:
+        if a.cases and str(CASES.index(case)) not in a.cases.split(","):
+            continue
         b, n, hq, hk, d, page, sq = case
         q, kc, vc, pt, lens = make(case)
         nbytes = b * n * hk * d * 2 * 2
@@ -96,12 +99,14 @@ def main():
         line["max_err"] = (out[:1].float() - ref).abs().max().item()
         for cfg in cfgs:
             decode.config = orig if cfg is None else (lambda t, d_, dv_, pg, c=cfg: c)
+            decode.plan.cache_clear()
             try:
                 t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True))
                 line[str(cfg and (cfg.block_n, cfg.num_warps, cfg.num_stages) or "default")] = round(nbytes / t / 1e12, 3)
             except Exception as e:  # noqa
                 line[str(cfg)] = repr(e)[:100]
         decode.config = orig
+        decode.plan.cache_clear()
         GRAPH = False
         t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True))
         GRAPH = True
