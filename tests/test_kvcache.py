@@ -29,11 +29,11 @@ def _check_rows(out, lse, q, k_cache, v_cache, lens, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("seqlens", ["tensor", "int"])
-# (64/96/128/192/256, equal head dims: the Hopper forward on sm90, 96 / 192 computed as
-# 128 / 256; the others: the portable one)
+# (query tokens x GQA group <= 64: the decode kernel; the last case, 80 rows, prefill: at
+# 64/96/128/192/256 with equal head dims the Hopper forward on sm90, else the portable one)
 @pytest.mark.parametrize("d,dv,h,hk,sq", [(64, 64, 4, 2, 1), (40, 40, 2, 2, 7), (64, 32, 6, 1, 3),
                                           (128, 128, 4, 4, 5), (256, 256, 2, 1, 1), (96, 96, 3, 1, 9),
-                                          (192, 192, 2, 2, 2)])
+                                          (192, 192, 2, 2, 2), (64, 64, 4, 1, 20)])
 def test_kvcache_append_then_attend(dtype, mask, seqlens, d, dv, h, hk, sq):
     torch.manual_seed(0)
     causal, window, softcap = MASKS[mask]
@@ -170,6 +170,9 @@ SCENARIOS = {
     "varlen-q": (None, False, False, 0.0, False, True, "causal"),
     "varlen-q-paged-rotary": (4, False, True, 0.5, True, True, "causal"),
     "varlen-q-batch-idx": (None, True, False, 0.0, False, True, "none"),
+    # 40 query tokens x 2 heads per KV head: prefill over the cache (the portable forward)
+    "paged-16-leftpad-prefill": (16, False, True, 0.0, False, False, "causal"),
+    "batch-idx-rotary-prefill": (None, True, False, 1.0, False, False, "window"),
 }
 
 
@@ -184,6 +187,8 @@ def test_kvcache_forms(scenario, dtype):
     causal, window, _ = MASKS[mask]
     torch.manual_seed(hash(scenario) % 1000)
     batch, h, hk, d, cap, sq, sn = 3, 4, 2, 64, 48, 4, 3
+    if scenario.endswith("-prefill"):
+        sq = 40
     kw = dict(dtype=dtype)
     rot = int(rot_frac * d) // 16 * 16
     q = _rand(batch, sq, h, d, **kw)

@@ -33,6 +33,7 @@ import torch
 
 from . import dispatch, ops
 from . import validation as V
+from .kernels.decode import plan as decode_plan
 from .rotary import apply_rotary, token_positions
 
 
@@ -259,11 +260,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     (FA3 appends its split accumulators to that tuple; its callers unpack
     ``out, lse, *rest``, which this 2-tuple satisfies).
 
-    Dense caches without cache_batch_idx / cache_leftpad run the Hopper forward on sm90 at
-    head dims 64/128/256; the other forms run the portable kernels. FA3's ``qv``, fp8
-    descales, ``cu_seqlens_k_new`` and ``attention_chunk`` raise NotImplementedError;
-    ``scheduler_metadata``, ``num_splits``, ``pack_gqa`` and ``sm_margin`` are performance
-    hints, accepted and ignored. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
+    A decoding step (query tokens x the GQA group <= 64 rows per KV head) runs the decode
+    kernel over every cache form: the query heads of a KV head packed into one tile, the
+    cache length split across CTAs when the batch leaves SMs idle (``num_splits``: 0 picks,
+    n > 0 asks for n shares), pieces merged by log-sum-exp. Longer queries (prefill) over a
+    plain dense cache run the dense forward (the Hopper tier on sm90), over the other forms
+    the portable kernels. FA3's ``qv``, fp8 descales, ``cu_seqlens_k_new`` and
+    ``attention_chunk`` raise NotImplementedError; ``scheduler_metadata`` (the plan, which
+    the call recomputes from the shapes), ``pack_gqa`` and ``sm_margin`` are accepted and
+    change nothing. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
     page_table, cu_seqlens_q) are checked on the host on the CPU or with
     ``triflash.set_check_inputs(True)``; otherwise the kernels clamp them (no fault) and new
     tokens past a sequence's cache are not written.
@@ -318,10 +323,20 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
                            page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1),
                            attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None,
                            sm_margin=0):
-    """FA3's precomputed decoding schedule, for drop-in compatibility: triflash schedules
-    each launch itself, so this returns None, which ``flash_attn_with_kvcache`` accepts as
-    ``scheduler_metadata`` (callers such as serving engines pass the result through)."""
-    return None
+    """FA3's precomputed decoding schedule: how many shares ``flash_attn_with_kvcache``
+    splits each tile's keys into for these shapes, as a one-element int32 tensor on
+    cache_seqlens' device (serving engines store it beside their CUDA graphs and pass it
+    back as ``scheduler_metadata``). The plan is a function of the shapes alone, so the
+    call computes the same one itself; ``num_splits`` > 0 is honoured as there."""
+    device = cache_seqlens.device if isinstance(cache_seqlens, torch.Tensor) else torch.device("cuda")
+    headdim_v = headdim if headdim_v is None else headdim_v
+    max_seqlen_q = int(max_seqlen_q)
+    splits = 1
+    if dispatch.decodes(max_seqlen_q, num_heads_q, num_heads_kv, batch_size):
+        splits = decode_plan(dispatch.target_of(device), device, int(batch_size), max_seqlen_q,
+                             int(max_seqlen_k), int(num_heads_q), int(num_heads_kv), int(headdim),
+                             int(headdim_v), page_size is not None, max(int(num_splits), 0)).splits
+    return torch.tensor([splits], dtype=torch.int32, device=device)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):

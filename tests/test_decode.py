@@ -1,0 +1,213 @@
+"""The decode kernel (kernels/decode.py): flash_attn_with_kvcache with a few query tokens per
+KV head's query heads, packed GQA and split keys, against the fp32 reference under FA3's
+tolerance rule, over dense and paged caches, ragged lengths, masks and explicit splits.
+On the CPU the kernel runs under Triton's interpreter; on a GPU at the same sizes, plus a
+CUDA-graph replay that must equal eager bit for bit."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import triflash
+from conftest import DEVICE
+from triflash import dispatch
+from triflash.kernels import decode
+from triflash.testing import assert_forward_matches, attention_ref
+
+I32 = dict(dtype=torch.int32, device=DEVICE)
+
+
+def _cache(batch, cap, hk, d, dv, page, dtype, gen):
+    """(k_cache, v_cache, page_table, logical(): each sequence's cache rows in order); paged
+    caches are K and V as views of one tensor, pages in a random order (a serving layout)."""
+    if page is None:
+        k = torch.randn(batch, cap, hk, d, device=DEVICE, generator=gen).to(dtype)
+        v = torch.randn(batch, cap, hk, dv, device=DEVICE, generator=gen).to(dtype)
+        return k, v, None, lambda c: c
+    pages = -(-cap // page)
+    blocks = batch * pages + 3
+    kv = torch.randn(blocks, page, hk, d + dv, device=DEVICE, generator=gen).to(dtype)
+    k, v = kv[..., :d], kv[..., d:]
+    table = torch.randperm(blocks, device=DEVICE, generator=gen)[:batch * pages].to(torch.int32).view(batch, pages)
+    return k, v, table, lambda c: c[table.long()].reshape(batch, pages * page, *c.shape[2:])[:, :cap]
+
+
+CASES = [
+    # batch, cap, h, hk, d, dv, sq, page, mask, softcap, num_splits
+    (3, 97, 8, 2, 64, 64, 1, None, "causal", 0.0, 0),
+    (2, 300, 16, 1, 64, 64, 1, 16, "causal", 0.0, 3),       # GQA 16, paged 16, splits
+    (4, 130, 4, 4, 128, 128, 2, None, "none", 0.0, 5),      # MHA, 2 tokens
+    (2, 257, 12, 4, 40, 40, 3, 1, "causal", 0.0, 2),        # odd head dim, page size 1
+    (1, 500, 8, 1, 32, 32, 4, 64, "window", 0.0, 7),        # sliding window across splits
+    (3, 200, 6, 2, 256, 256, 1, None, "causal", 30.0, 4),   # head dim 256, softcap
+    (2, 129, 2, 2, 64, 32, 5, 4, "causal", 0.0, 0),         # headdim_v != headdim
+    (2, 64, 16, 4, 64, 64, 16, None, "causal", 0.0, 2),     # 64 rows: the most one tile packs
+]
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (True, (37, 0))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_matches_reference(case, dtype, monkeypatch):
+    batch, cap, h, hk, d, dv, sq, page, mask, softcap, splits = case
+    causal, window = MASKS[mask]
+    gen = torch.Generator(device=DEVICE).manual_seed(hash(case) % 10007)
+    k_cache, v_cache, table, logical = _cache(batch, cap, hk, d, dv, page, dtype, gen)
+    q = torch.randn(batch, sq, h, d, device=DEVICE, generator=gen).to(dtype)
+    lens = torch.randint(sq, cap + 1, (batch,), device=DEVICE, generator=gen).to(torch.int32)
+    lens[0] = cap
+    seen = []
+    real_fwd = decode.fwd
+    monkeypatch.setattr(decode, "fwd", lambda *a, **k: seen.append(a[-1]) or real_fwd(*a, **k))
+    out, lse = triflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table,
+                                                causal=causal, window_size=window, softcap=softcap,
+                                                num_splits=splits, return_softmax_lse=True)
+    assert seen == [splits], "the decode kernel serves this call"
+    kl, vl = logical(k_cache), logical(v_cache)
+    for b in range(batch):
+        n = int(lens[b])
+        kw = dict(causal=causal, window_size=window, softcap=softcap)
+        ref, lse_ref = attention_ref(q[b:b + 1], kl[b:b + 1, :n], vl[b:b + 1, :n], **kw)
+        lowp, _ = attention_ref(q[b:b + 1], kl[b:b + 1, :n], vl[b:b + 1, :n], upcast=False, **kw)
+        assert_forward_matches(out[b:b + 1], lse[b:b + 1], ref, lse_ref, lowp, softcap)
+
+
+def test_splits_agree_and_empty_sequences():
+    """Every split count gives the same answer within rounding; a sequence with no keys (or a
+    split that gets none) leaves output 0 and lse -inf, never NaN."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    q = torch.randn(3, 1, 8, 64, device=DEVICE, generator=gen).half()
+    k = torch.randn(3, 200, 2, 64, device=DEVICE, generator=gen).half()
+    v = torch.randn(3, 200, 2, 64, device=DEVICE, generator=gen).half()
+    lens = torch.tensor([0, 3, 200], **I32)
+    outs = []
+    for splits in (1, 2, 5, 13):
+        out, lse = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits,
+                                                    return_softmax_lse=True, causal=True)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+        assert torch.isfinite(out).all() and torch.isfinite(lse[1:]).all()
+        outs.append((out.float(), lse))
+    for out, lse in outs[1:]:
+        assert (out - outs[0][0]).abs().max() < 2e-3
+        assert (lse[1:] - outs[0][1][1:]).abs().max() < 1e-4
+
+
+def test_varlen_queries_and_cache_forms():
+    """Packed queries (speculative decoding: 1-3 tokens per sequence), cache_batch_idx and
+    cache_leftpad through the decode kernel."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    batch, cap, h, hk, d = 3, 90, 8, 2, 64
+    q_lens = [3, 1, 2]
+    cu = torch.tensor([0, 3, 4, 6], **I32)
+    q = torch.randn(6, h, d, device=DEVICE, generator=gen).half()
+    k = torch.randn(batch + 2, cap, hk, d, device=DEVICE, generator=gen).half()
+    v = torch.randn(batch + 2, cap, hk, d, device=DEVICE, generator=gen).half()
+    idx = torch.tensor([4, 0, 2], **I32)
+    leftpad = torch.tensor([0, 7, 30], **I32)
+    lens = torch.tensor([90, 41, 77], **I32)
+    out, lse = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_batch_idx=idx,
+                                                cache_leftpad=leftpad, cu_seqlens_q=cu, max_seqlen_q=3,
+                                                causal=True, num_splits=3, return_softmax_lse=True)
+    for b in range(batch):
+        s, e = int(cu[b]), int(cu[b + 1])
+        kb = k[int(idx[b]):int(idx[b]) + 1, int(leftpad[b]):int(lens[b])]
+        vb = v[int(idx[b]):int(idx[b]) + 1, int(leftpad[b]):int(lens[b])]
+        ref, lse_ref = attention_ref(q[None, s:e], kb, vb, causal=True)
+        lowp, _ = attention_ref(q[None, s:e], kb, vb, causal=True, upcast=False)
+        assert_forward_matches(out[None, s:e], lse[None, :, s:e], ref, lse_ref, lowp)
+    assert q_lens == [e - s for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+
+
+def test_dispatch_decode_or_prefill():
+    """Decoding-sized calls (query tokens x GQA group <= decode.MAX_ROWS per KV head) take the
+    decode kernel; longer ones the prefill kernels."""
+    assert dispatch.decodes(1, 32, 8, 64) and dispatch.decodes(4, 32, 8, 64)
+    assert dispatch.decodes(16, 16, 4, 1) and not dispatch.decodes(17, 16, 4, 1)
+    assert not dispatch.decodes(2048, 32, 8, 1)
+    assert not dispatch.decodes(1, 32, 8, 70000)  # CUDA's grid z axis
+
+
+def test_split_plan():
+    """Splits: none when the tiles fill the GPU, enough to fill it for one long sequence,
+    FA3's num_splits honoured up to the key blocks, and the plan a function of shapes only."""
+    cpu = torch.device("cpu")
+    many = decode.plan("sm90", cpu, 64, 1, 8192, 32, 8, 128, 128)
+    one_seq = decode.plan("sm90", cpu, 1, 1, 131072, 32, 8, 128, 128)
+    assert many.splits == 1
+    slots = 132 * decode.ctas_per_sm(one_seq.cfg, 128, 128)
+    assert 0.95 * slots <= 8 * one_seq.splits <= slots
+    assert decode.plan("sm90", cpu, 1, 1, 131072, 32, 8, 128, 128, False, 7).splits == 7
+    assert decode.plan("sm90", cpu, 1, 1, 100, 32, 8, 128, 128, False, 100).splits == 1  # one key block
+    assert decode.num_splits_for(8, 10, 264) <= 10 // decode.MIN_BLOCKS_PER_SPLIT
+
+
+def test_scheduler_metadata_is_the_plan():
+    md = triflash.get_scheduler_metadata(2, 1, 4096, 32, 8, 128, torch.tensor([5, 9], **I32))
+    assert isinstance(md, torch.Tensor) and md.dtype == torch.int32 and md.device.type == torch.device(DEVICE).type
+    target = dispatch.target_of(torch.device(DEVICE))
+    assert int(md[0]) == decode.plan(target, torch.device(DEVICE), 2, 1, 4096, 32, 8, 128, 128).splits
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("page", [None, 16])
+def test_graph_replay_equals_eager(page):
+    """A decoding step (append one token, attend, split keys) captured in a CUDA graph replays
+    bit for bit what eager mode computes, with no host work at replay."""
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    batch, cap, h, hk, d = 4, 4096, 32, 8, 128
+    k_cache, v_cache, table, _ = _cache(batch, cap, hk, d, d, page, torch.bfloat16, gen)
+    q = torch.randn(batch, 1, h, d, device=DEVICE, generator=gen).bfloat16()
+    k_new = torch.randn(batch, 1, hk, d, device=DEVICE, generator=gen).bfloat16()
+    v_new = torch.randn(batch, 1, hk, d, device=DEVICE, generator=gen).bfloat16()
+    lens = torch.tensor([4000, 17, 2222, 4095], **I32)
+    snapshot = (k_cache.clone(), v_cache.clone())
+
+    def step():
+        return triflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                                page_table=table, causal=True, return_softmax_lse=True)
+
+    eager_out, eager_lse = (x.clone() for x in step())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    k_cache.copy_(snapshot[0]), v_cache.copy_(snapshot[1])
+    out.fill_(float("nan")), lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert decode.plan("sm90", q.device, batch, 1, cap, h, hk, d, d, page is not None).splits > 1 or page
+
+
+def _toolchain_problem():
+    try:
+        from tools import sm90_report
+    except ImportError as e:  # pragma: no cover
+        return str(e)
+    return sm90_report.toolchain_problem()
+
+
+@pytest.mark.sm90
+def test_decode_kernels_fit_sm90():
+    """Each decode form's launches compile for sm_90a within Hopper's shared memory; spills at
+    most 16 bytes (the 8-warp tiles at head dims 128 / 256: measured at 4.48 / 4.19 TB/s,
+    the copy-bound rate, in the config's comment)."""
+    problem = _toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "tools.decode_compile", "--json"], capture_output=True,
+                         text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+    rows = json.loads(res.stdout)
+    assert {r["form"] for r in rows} == set(__import__("tools.decode_compile").decode_compile.FORMS)
+    for r in rows:
+        assert r["shared"] <= 232448, r
+        assert r["spill_bytes"] <= 16, r
