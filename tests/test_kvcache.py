@@ -83,8 +83,15 @@ def test_kvcache_bad_input():
     kc, vc = _rand(2, 10, 2, 32, dtype=torch.float16), _rand(2, 10, 2, 32, dtype=torch.float16)
     kn = _rand(2, 1, 2, 32, dtype=torch.float16)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="cu_seqlens_k_new"):
+    with pytest.raises(ValueError, match="cu_seqlens_k_new"):
         triflash.flash_attn_with_kvcache(q, kc, vc, cu_seqlens_k_new=torch.zeros(3, **i32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k_new.shape"):
+        triflash.flash_attn_with_kvcache(q, kc, vc, k=kn[0], v=kn[0], cache_seqlens=1,
+                                         cu_seqlens_k_new=torch.zeros(4, **i32))
+    with pytest.raises(ValueError, match=r"cache_seqlens=\[3, 9\]"):  # 9 + 2 new > 10 rows
+        triflash.flash_attn_with_kvcache(q, kc, vc, k=kn[0].expand(3, 2, 32), v=kn[0].expand(3, 2, 32),
+                                         cache_seqlens=torch.tensor([3, 9], **i32),
+                                         cu_seqlens_k_new=torch.tensor([0, 1, 3], **i32))
     with pytest.raises(ValueError, match="page_table"):
         triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(3, 1, **i32))
     with pytest.raises(ValueError, match=r"k_cache.shape\[0\]"):
@@ -312,3 +319,53 @@ def test_flash_attn_combine(num_splits, dtype):
         triflash.flash_attn_combine(out_p.half(), lse_p)
     with pytest.raises(ValueError, match="lse_partial.shape"):
         triflash.flash_attn_combine(out_p, lse_p[..., :2])
+
+
+@pytest.mark.parametrize("page", [None, 4])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_varlen_append(page, rotary):
+    """FA3's varlen append (``cu_seqlens_k_new``): sequence b's new tokens, rows
+    cu[b] .. cu[b + 1] - 1 of packed k/v, land at its cache_seqlens[b] (rotated at those
+    positions) exactly as the same tokens given densely would, and attention covers them."""
+    torch.manual_seed(7)
+    batch, cap, h, hk, d = 3, 40, 4, 2, 32
+    new_lens = [2, 0, 5]
+    cu = torch.tensor([0, 2, 2, 7], dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([10, 3, 35], dtype=torch.int32, device=DEVICE)
+    k_new, v_new = _rand(7, hk, d, dtype=torch.float16), _rand(7, hk, d, dtype=torch.float16)
+    q = _rand(batch, 1, h, d, dtype=torch.float16)
+    cos = sin = None
+    if rotary:
+        angle = torch.rand(cap, d // 4, device=DEVICE) * 6.283
+        cos, sin = torch.cos(angle).half(), torch.sin(angle).half()
+    if page:
+        k_cache, v_cache = _rand(batch * cap // page, page, hk, d, dtype=torch.float16), _rand(batch * cap // page, page, hk, d, dtype=torch.float16)
+        table = torch.randperm(batch * cap // page, device=DEVICE).to(torch.int32).view(batch, cap // page)
+    else:
+        k_cache, v_cache = _rand(batch, cap, hk, d, dtype=torch.float16), _rand(batch, cap, hk, d, dtype=torch.float16)
+        table = None
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out, lse = triflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                                cache_seqlens=seqlens, page_table=table, cu_seqlens_k_new=cu,
+                                                causal=True, return_softmax_lse=True)
+    # the same tokens, one sequence at a time, through the dense form
+    for b in range(batch):
+        n, s = new_lens[b], int(cu[b])
+        if n == 0:
+            continue
+        triflash.flash_attn_with_kvcache(q[b:b + 1], k_ref, v_ref, k_new[None, s:s + n], v_new[None, s:s + n],
+                                         rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens[b:b + 1],
+                                         page_table=table[b:b + 1] if table is not None else None,
+                                         cache_batch_idx=None if table is not None else torch.tensor([b], dtype=torch.int32, device=DEVICE),
+                                         causal=True)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    logical_k = k_cache[table.long()].reshape(batch, cap, hk, d) if page else k_cache
+    logical_v = v_cache[table.long()].reshape(batch, cap, hk, d) if page else v_cache
+    for b in range(batch):
+        n = int(seqlens[b]) + new_lens[b]
+        qb = q[b:b + 1]
+        if rotary:  # q (causal) rotated as FA3 does: token i at cache_seqlens[b] + i
+            qb = _rotate_ref(qb, cos, sin, seqlens[b:b + 1], True)
+        ref, lse_ref = attention_ref(qb, logical_k[b:b + 1, :n], logical_v[b:b + 1, :n], causal=True)
+        lowp, _ = attention_ref(qb, logical_k[b:b + 1, :n], logical_v[b:b + 1, :n], causal=True, upcast=False)
+        assert_forward_matches(out[b:b + 1], lse[b:b + 1], ref, lse_ref, lowp)

@@ -265,7 +265,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     cache length split across CTAs when the batch leaves SMs idle (``num_splits``: 0 picks,
     n > 0 asks for n shares), pieces merged by log-sum-exp. Longer queries (prefill) over a
     plain dense cache run the dense forward (the Hopper tier on sm90), over the other forms
-    the portable kernels. FA3's ``qv``, fp8 descales, ``cu_seqlens_k_new`` and
+    the portable kernels. ``cu_seqlens_k_new`` (batch + 1,) int32: new k, v packed
+    (total_new, nheads_kv, headdim[_v]), sequence b's new tokens rows cu_seqlens_k_new[b] ..
+    cu_seqlens_k_new[b + 1] - 1 (FA3's varlen append). FA3's ``qv``, fp8 descales and
     ``attention_chunk`` raise NotImplementedError; ``scheduler_metadata`` (the plan, which
     the call recomputes from the shapes), ``pack_gqa`` and ``sm_margin`` are accepted and
     change nothing. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -273,7 +275,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     ``triflash.set_check_inputs(True)``; otherwise the kernels clamp them (no fault) and new
     tokens past a sequence's cache are not written.
     """
-    V.reject_unsupported(qv=(qv, None), cu_seqlens_k_new=(cu_seqlens_k_new, None),
+    V.reject_unsupported(qv=(qv, None),
                          q_descale=(q_descale, None), k_descale=(k_descale, None),
                          v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
     causal = V.as_flag("causal", causal)
@@ -282,7 +284,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if varlen_q:  # (FA3 reads max_seqlen_q only with cu_seqlens_q)
         max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     starts, used, capacity = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                             cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q)
+                                             cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q,
+                                             cu_seqlens_k_new)
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     rotary = V.check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch)
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
@@ -299,11 +302,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             q = apply_rotary(q, rotary_cos, rotary_sin,
                              token_positions(offsets, q.shape[-3], same, cu_seqlens_q, q.shape[0]),
                              rotary_interleaved)
-            k = apply_rotary(k, rotary_cos, rotary_sin, token_positions(offsets, k.shape[1]),
+            k = apply_rotary(k, rotary_cos, rotary_sin,
+                             token_positions(offsets, k.shape[1], False, cu_seqlens_k_new, k.shape[0]),
                              rotary_interleaved)
         if k is not None:
             ops.append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, starts,
-                          cache_batch_idx, page_table)
+                          cache_batch_idx, page_table, cu_seqlens_k_new)
         q = V.last_dim_contiguous(q)
         max_q = max_seqlen_q if varlen_q else q.shape[1]
         ints, floats = ops.pack_scalars(max_q, capacity, softmax_scale, left, right, softcap, False)

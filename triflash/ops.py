@@ -248,15 +248,16 @@ def attention_qkvpacked(qkv, ints, floats):
 
 @torch.library.custom_op("triflash::append_kv", mutates_args={"k_cache", "v_cache"})
 def append_kv(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor,
-              batch_idx: Optional[Tensor] = None, page_table: Optional[Tensor] = None) -> None:
+              batch_idx: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
+              cu_seqlens_new: Optional[Tensor] = None) -> None:
     """Write the new keys and values into the caches in place at each sequence's logical rows
     ``starts[b]`` onwards (one launch; ``kvcache.append_kv``): an op, so that torch.compile
-    sees the mutation instead of tracing into Triton."""
-    kvcache.append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx, page_table)
+    sees the mutation instead of tracing into Triton. ``cu_seqlens_new``: packed new tokens."""
+    kvcache.append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx, page_table, cu_seqlens_new)
 
 
 @append_kv.register_fake
-def _(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table=None):
+def _(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table=None, cu_seqlens_new=None):
     return None
 
 

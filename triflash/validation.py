@@ -251,7 +251,8 @@ def _check_index_vector(name, x, batch, device_of):
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None,
-                  cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None):
+                  cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
+                  cu_seqlens_k_new=None):
     """``flash_attn_with_kvcache``'s tensors. Returns (starts, used, capacity): int32 (batch,)
     tensors, where each sequence's new keys go and how many cache rows it attends up to (None,
     None: the whole cache), and the rows one sequence's cache holds (page_table: pages x
@@ -309,7 +310,30 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
     if (k is None) != (v is None):
         _fail("k, v", ("a tensor" if k is not None else None, "a tensor" if v is not None else None),
               "pass both new k and v, or neither")
-    if k is not None:
+    new_lens = None
+    if cu_seqlens_k_new is not None and k is None:
+        _fail("cu_seqlens_k_new", "a tensor", "describes new k and v: pass them too")
+    if k is not None and cu_seqlens_k_new is not None:
+        _check_tensor("k", k, 3)
+        _check_tensor("v", v, 3)
+        _check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new)
+        check_device(q, cu_seqlens_k_new)
+        if cu_seqlens_k_new.shape[0] != batch + 1:
+            _fail("cu_seqlens_k_new.shape", tuple(cu_seqlens_k_new.shape), f"expected ({batch + 1},) (batch + 1)")
+        for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            want = (k.shape[0],) + tuple(cache.shape[2:])
+            if tuple(new.shape) != want or new.dtype != cache.dtype:
+                _fail(f"{name}.shape", f"{tuple(new.shape)} {new.dtype}",
+                      f"expected {want} {cache.dtype} (new tokens of every sequence, {name}_cache's heads and dim)")
+        check_device(q, k, v)
+        if cache_seqlens is None:
+            _fail("cache_seqlens", None, "required with new k/v: where each sequence's new tokens go")
+        if host:
+            _check_cu_seqlens_values("cu_seqlens_k_new", cu_seqlens_k_new, k.shape[0], k.shape[0])
+        new_lens = cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
+        if host and new_lens.numel():
+            seqlen_new = int(new_lens.max().item())  # (the bound the cache_seqlens check uses)
+    elif k is not None:
         _check_tensor("k", k, 4)
         _check_tensor("v", v, 4)
         seqlen_new = k.shape[1]
@@ -341,7 +365,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
         starts = cache_seqlens
         if host:
             c = cache_seqlens.cpu()
-            if (c < 0).any() or (c > capacity - seqlen_new).any():
+            room = capacity - (new_lens.cpu() if new_lens is not None else seqlen_new)
+            if (c < 0).any() or (c > room).any():
                 _fail("cache_seqlens", c.tolist(),
                       f"expected values in [0, {capacity - seqlen_new}] (cache rows {capacity} "
                       f"minus {seqlen_new} new tokens)")
@@ -351,6 +376,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
             lp, c = cache_leftpad.cpu(), starts.cpu()
             if (lp < 0).any() or (lp > c).any():
                 _fail("cache_leftpad", lp.tolist(), f"expected 0 <= cache_leftpad <= cache_seqlens {c.tolist()}")
+    if new_lens is not None:
+        return starts, starts + new_lens, capacity
     return starts, starts + seqlen_new, capacity
 
 
