@@ -213,3 +213,83 @@ def test_readme_table_ratios_to_cudnn_and_fa4():
     assert "| 1.20x / 1.00x | 0.80x / 1.25x |" in text
     rows = [r for r in rows if r["impl"] != "fa4"]  # no FA4: no FA4 column
     assert "/ fa4" not in readme_table.markdown(dict(meta=dict(gpu="x", commit="abc", date="d"), results=rows))
+
+
+# --preset decode: flash_attn_with_kvcache in K+V TB/s against a copy (bench/decode*.py)
+
+DECODE_ROW_KEYS = {"impl", "mode", "batch", "cache_len", "nheads", "nheads_kv", "headdim", "headdim_v",
+                   "page_size", "seqlen_q", "seqlen_new", "seqlen_k", "ragged", "lens_seed", "causal",
+                   "dtype", "kv_layout", "kv_full", "kv_tokens", "kv_bytes", "ms", "host_ms", "tb_s",
+                   "tflops", "max_err", "tolerance", "passed", "note"}
+
+
+def test_decode_preset_cases():
+    """The issue's cases: (batch, cache_len, heads, kv heads, head dim, page size, query
+    tokens, ragged, new tokens), all causal bf16, one prefill-over-a-cache row last."""
+    from triflash.bench.decode_cases import build_cases
+    cases = build_cases("decode")
+    got = [(c.batch, c.cache_len, c.nheads, c.nheads_kv, c.headdim, c.page_size, c.seqlen_q, c.ragged,
+            c.seqlen_new) for c in cases]
+    assert got == [
+        (64, 8192, 32, 8, 128, None, 1, False, 0),
+        (64, 8192, 32, 8, 128, 64, 1, False, 0),
+        (64, 8192, 32, 8, 128, 1, 1, False, 0),
+        (64, 8192, 32, 8, 128, 256, 1, False, 0),
+        (128, 4096, 32, 8, 128, 16, 1, False, 0),
+        (1, 131072, 32, 8, 128, None, 1, False, 0),
+        (8, 32768, 32, 8, 128, None, 1, False, 0),
+        (32, 8192, 16, 2, 256, None, 1, False, 0),
+        (64, 8192, 32, 8, 64, None, 1, False, 0),
+        (64, 8192, 32, 8, 128, None, 4, False, 0),
+        (64, 8192, 32, 8, 128, None, 1, True, 0),
+        (64, 8192, 32, 8, 128, 64, 1, True, 0),
+        (256, 2048, 32, 8, 128, None, 1, False, 0),
+        (1, 3577, 32, 8, 128, None, 2048, False, 2048),
+    ]
+    assert all(c.causal and c.dtype == "bf16" for c in cases)
+    assert [c.mode for c in cases] == ["decode"] * 13 + ["prefill-cache"]
+    assert len({c.label() for c in cases}) == len(cases)
+    assert build_cases("decode", dtype="fp16")[0].dtype == "fp16"
+    # every case of the CPU preset runs under the interpreter (test_decode_cpu_run)
+    cpu = build_cases("decode-cpu")
+    assert {c.mode for c in cpu} == {"decode", "prefill-cache"} and any(c.ragged and c.page_size for c in cpu)
+
+
+def test_decode_byte_accounting():
+    """kv_bytes: keys attended x kv heads x (d + dv) x 2 bytes, summed over sequences; ragged
+    cases count each sequence's own length (or, kv_full, the whole cache)."""
+    from triflash.bench.decode_cases import DecodeCase, visible_pairs
+    dense = DecodeCase(64, 8192, 32, 8, 128)
+    paged = DecodeCase(64, 8192, 32, 8, 128, page_size=64)
+    assert dense.kv_bytes() == paged.kv_bytes() == 64 * 8192 * 8 * 256 * 2 == 2 ** 31
+    assert dense.kv_tokens() == 64 * 8192 and paged.pages_per_seq == 128 and paged.capacity == 8192
+    assert DecodeCase(64, 8192, 32, 8, 128, page_size=1).pages_per_seq == 8192
+    assert DecodeCase(8, 32768, 32, 8, 128).kv_bytes() == 8 * 32768 * 8 * 256 * 2
+    assert DecodeCase(32, 8192, 16, 2, 256).kv_bytes() == 32 * 8192 * 2 * 512 * 2
+    assert DecodeCase(64, 8192, 32, 8, 64).kv_bytes() == 2 ** 30
+
+    ragged = DecodeCase(64, 8192, 32, 8, 128, ragged=True)
+    lens = ragged.seqlens()
+    assert lens == DecodeCase(64, 8192, 32, 8, 128, page_size=64, ragged=True).seqlens()  # fixed seed
+    assert len(lens) == 64 and all(1 <= n <= 8192 for n in lens) and len(set(lens)) > 32
+    assert DecodeCase(64, 8192, 32, 8, 128, ragged=True, lens_seed=1).seqlens() != lens
+    assert ragged.kv_tokens() == sum(lens) and ragged.kv_bytes() == sum(lens) * 8 * 256 * 2
+    assert ragged.kv_bytes(full=True) == dense.kv_bytes() > ragged.kv_bytes()
+    assert dense.kv_bytes(full=True) == dense.kv_bytes()
+
+    prefill = DecodeCase(1, 3577, 32, 8, 128, seqlen_q=2048, seqlen_new=2048)
+    assert prefill.mode == "prefill-cache" and prefill.seqlen_k == 5625 and prefill.keys() == [5625]
+    assert prefill.kv_bytes() == 5625 * 8 * 256 * 2
+    # the 2048 queries are the last 2048 of 5625 positions: query i sees 3577 + i + 1 keys
+    assert visible_pairs(2048, 5625, True) == 2048 * 3577 + 2048 * 2049 // 2
+    assert prefill.flops() == 2.0 * 32 * visible_pairs(2048, 5625, True) * 256
+    assert visible_pairs(1, 8192, True) == 8192 and visible_pairs(4, 8192, True) == 4 * 8189 + 6
+    assert visible_pairs(64, 64, True) == 64 * 65 // 2 and visible_pairs(3, 5, False) == 15
+    assert DecodeCase(1, 3577, 32, 8, 128, page_size=16, seqlen_q=2048, seqlen_new=2048).capacity == 5632
+
+    from triflash.bench.decode_cases import DecodeCase as DC
+    for bad in (dict(nheads_kv=3), dict(page_size=0), dict(page_size=16, headdim_v=64),
+                dict(ragged=True, seqlen_new=4)):
+        with pytest.raises(ValueError):
+            DC(**{**dict(batch=2, cache_len=64, nheads=4, nheads_kv=2, headdim=128), **bad})
+
