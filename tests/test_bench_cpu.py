@@ -293,3 +293,59 @@ def test_decode_byte_accounting():
         with pytest.raises(ValueError):
             DC(**{**dict(batch=2, cache_len=64, nheads=4, nheads_kv=2, headdim=128), **bad})
 
+def _decode_row(impl, tb_s, label_fields, **kw):
+    from triflash.bench.decode_cases import DecodeCase
+    case = DecodeCase(**label_fields)
+    full = kw.pop("kv_full", False)
+    row = dict(impl=impl, **case.fields(), kv_layout="dense", kv_full=full, kv_tokens=case.kv_tokens(full),
+               kv_bytes=case.kv_bytes(full), ms=None if tb_s is None else case.kv_bytes(full) / tb_s / 1e9,
+               host_ms=None, tb_s=tb_s, tflops=None, max_err={"out": 1e-3}, tolerance={"out": 1e-2},
+               passed=None if tb_s is None else True, note="")
+    row.update(kw)
+    return row
+
+
+def test_decode_report_ratios(tmp_path, capsys):
+    """The report: TB/s per impl, triflash / the best (fastest checked) peer, triflash / the
+    copy; '*' marks a peer that read the whole cache; prefill-cache rows against
+    flash_attn_func on the same tokens; the same from the JSON file alone."""
+    from triflash.bench import report
+    dense = dict(batch=64, cache_len=8192, nheads=32, nheads_kv=8, headdim=128)
+    ragged = dict(dense, ragged=True)
+    prefill = dict(batch=1, cache_len=3577, nheads=32, nheads_kv=8, headdim=128, seqlen_q=2048, seqlen_new=2048)
+    rows = [
+        _decode_row("triflash", 4.0, dense), _decode_row("sdpa-cudnn", 3.2, dense),
+        _decode_row("fa4", 3.9, dense, passed=False),   # a failed check is no "best peer"
+        _decode_row("sdpa-flash", None, dense, note="skipped: no"),
+        _decode_row("triflash", 3.0, ragged), _decode_row("sdpa-cudnn", 3.5, ragged, kv_full=True),
+        _decode_row("triflash", 2.0, prefill), _decode_row("triflash-dense", 2.5, prefill),
+        _decode_row("fa4", 2.2, prefill),
+    ]
+    ratios = report.decode_ratios(rows, 4.8)
+    mine, peer, vs_peer, vs_copy = ratios[report.case_label(rows[0])]
+    assert peer["impl"] == "sdpa-cudnn" and vs_peer == pytest.approx(1.25) and vs_copy == pytest.approx(4.0 / 4.8)
+    assert ratios[report.case_label(rows[4])][2] == pytest.approx(3.0 / 3.5)
+    assert ratios[report.case_label(rows[6])][1]["impl"] == "fa4"  # triflash-dense is no peer
+    text = report.decode_summary_table(rows, ["triflash", "triflash-dense", "sdpa-cudnn", "sdpa-flash", "fa4"], 4.8)
+    lines = text.splitlines()
+    assert lines[0].split() == ["case", "triflash", "sdpa-cudnn", "sdpa-flash", "fa4", "triflash/best",
+                                "peer", "triflash/copy"]
+    dense_line = next(line for line in lines if line.startswith("64x8192 h32/8"))
+    assert "1.25x (sdpa-cudnn)" in dense_line and "0.83" in dense_line and "3.9 FAIL" in dense_line
+    assert "skip" in dense_line
+    ragged_line = next(line for line in lines if line.startswith("64x8192 ragged"))
+    assert "3.5*" in ragged_line and "0.86x (sdpa-cudnn*)" in ragged_line
+    assert "time / triflash-dense" in text
+    prefill = text.split("time / triflash-dense")[1].splitlines()
+    assert "1x3577+2048" in prefill[2] and "1.25" in prefill[2]  # kvcache 2.0 TB/s, dense 2.5: 1.25x the time
+    assert any("FAIL" in line and "fa4" in line for line in report.failures(rows))
+
+    path = tmp_path / "decode.json"
+    report.write_json(str(path), {"gpu": "x", "commit": "abc", "date": "d", "copy_tb_s": 4.8}, rows)
+    assert report.main([str(path)]) == 0
+    assert "1.25x (sdpa-cudnn)" in capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib"):
+        from triflash.bench import plot
+        assert plot.main([str(path), str(tmp_path / "decode.png")]) == 0
+        assert (tmp_path / "decode.png").stat().st_size > 0
+
