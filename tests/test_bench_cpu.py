@@ -287,11 +287,45 @@ def test_decode_byte_accounting():
     assert visible_pairs(64, 64, True) == 64 * 65 // 2 and visible_pairs(3, 5, False) == 15
     assert DecodeCase(1, 3577, 32, 8, 128, page_size=16, seqlen_q=2048, seqlen_new=2048).capacity == 5632
 
+    from triflash.bench.decode import derive
+    row = dict(ms=0.5, kv_full=False)
+    derive(row, ragged)
+    assert row["tb_s"] == pytest.approx(ragged.kv_bytes() / 0.5e-3 / 1e12)
+    assert row["tflops"] == pytest.approx(2.0 * 32 * sum(lens) * 256 / 0.5e-3 / 1e12)
+    row = dict(ms=0.5, kv_full=True)
+    derive(row, ragged)
+    assert row["tb_s"] == pytest.approx(2 ** 31 / 0.5e-3 / 1e12)
+
     from triflash.bench.decode_cases import DecodeCase as DC
     for bad in (dict(nheads_kv=3), dict(page_size=0), dict(page_size=16, headdim_v=64),
                 dict(ragged=True, seqlen_new=4)):
         with pytest.raises(ValueError):
             DC(**{**dict(batch=2, cache_len=64, nheads=4, nheads_kv=2, headdim=128), **bad})
+
+
+def test_decode_inputs_paged_layout():
+    """A paged cache holds the dense cache's tokens: K and V two views of one (blocks, page,
+    2, kv heads, d) tensor, pages in a random permutation of the blocks."""
+    import torch
+    from triflash.bench.decode import make_inputs
+    from triflash.bench.decode_cases import DecodeCase
+    case = DecodeCase(3, 64, 4, 2, 64, page_size=16, ragged=True, dtype="fp16")
+    x = make_inputs(case, "cpu")
+    pt, kv = x.page_table, x.kv_paged
+    assert pt.dtype == torch.int32 and pt.shape == (3, 4) and kv.shape == (12, 16, 2, 2, 64)
+    assert sorted(pt.flatten().tolist()) == list(range(12)) and pt.flatten().tolist() != list(range(12))
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    assert k.data_ptr() == kv.data_ptr() and v.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+    for b in range(3):
+        for r in range(64):
+            block, row = pt[b, r // 16], r % 16
+            assert torch.equal(k[block, row], x.k_cache[b, r]) and torch.equal(v[block, row], x.v_cache[b, r])
+    assert x.cache_seqlens.tolist() == case.seqlens() and x.k_full.shape == (3, 64, 2, 64)
+    prefill = DecodeCase(1, 40, 4, 2, 64, seqlen_q=24, seqlen_new=24, dtype="fp16")
+    x = make_inputs(prefill, "cpu")
+    assert x.k_full.shape == (1, 64, 2, 64) and torch.equal(x.k_full[:, 40:], x.k_new)
+    assert torch.equal(x.v_full[:, :40], x.v_cache[:, :40]) and x.cache_seqlens.tolist() == [40]
+
 
 def _decode_row(impl, tb_s, label_fields, **kw):
     from triflash.bench.decode_cases import DecodeCase
@@ -349,3 +383,81 @@ def test_decode_report_ratios(tmp_path, capsys):
         assert plot.main([str(path), str(tmp_path / "decode.png")]) == 0
         assert (tmp_path / "decode.png").stat().st_size > 0
 
+
+def test_decode_impl_names_and_errors():
+    """The CLI's impl names (decode_cases, no torch) are decode.py's; error notes are one line
+    without the wrappers of run_impl and of a worker process."""
+    from triflash.bench import decode, decode_cases
+    for name in set(decode_cases.GPU_IMPLS) | set(decode_cases.CPU_IMPLS):
+        assert decode.make_impl(name).name == name
+    assert set(decode_cases.ISOLATED_BY_DEFAULT) <= set(decode_cases.GPU_IMPLS)
+    inner = decode.ImplError("RuntimeError: No available kernel. Aborting execution.; Flash refused GQA")
+    assert decode.error_text(inner) == "RuntimeError: No available kernel. Aborting execution.; Flash refused GQA"
+    assert decode.error_text(RuntimeError("ImplError: ValueError: bad\nTraceback ...")) == "ValueError: bad"
+    assert decode.error_text(KeyError("x")) == "KeyError: 'x'"
+
+
+def test_decode_cpu_run(tmp_path):
+    """--preset decode-cpu end to end under the interpreter: every form (dense, paged with page
+    sizes 16 and 1, ragged dense and paged, 4 query tokens, a prefill over a cache) checked
+    against the fp32 reference; the documented rows; the copy; the plot; --resume."""
+    from triflash.bench.decode_cases import build_cases, case_key, label
+    out = tmp_path / "decode.json"
+    args = ["--device", "cpu", "--preset", "decode-cpu", "--commit", "abc1234"]
+    assert main([*args, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["results"]
+    assert meta["preset"] == "decode-cpu" and meta["complete"] is True and meta["copy_tb_s"] > 0
+    assert meta["copy_tb_s"] == max(meta["copy"]["tb_s"]) and len(meta["copy"]["ms"]) == 2
+    cases = build_cases("decode-cpu", dtype="fp16")
+    assert len(rows) == 3 * len(cases)
+    for r in rows:
+        assert DECODE_ROW_KEYS <= set(r), DECODE_ROW_KEYS - set(r)
+    by = {(label(r), r["impl"]): r for r in rows}
+    for case in cases:
+        mine = by[(case.label(), "triflash")]
+        assert mine["passed"] is True and mine["ms"] > 0, mine
+        assert mine["kv_tokens"] == sum(case.seqlens()) + case.batch * case.seqlen_new
+        assert mine["kv_bytes"] == case.kv_bytes() and mine["kv_full"] is False
+        assert mine["kv_layout"] == ("paged" if case.page_size else "dense")
+        assert mine["tb_s"] == pytest.approx(mine["kv_bytes"] / mine["ms"] / 1e9)
+        sdpa = by[(case.label(), "sdpa-math")]
+        if case.seqlen_q > 1:
+            assert sdpa["ms"] is None and sdpa["note"].startswith("skipped: SDPA's is_causal")
+        else:
+            assert sdpa["passed"] is True and sdpa["kv_layout"] == "dense"
+            assert sdpa["kv_full"] is case.ragged and sdpa["kv_tokens"] == case.kv_tokens(case.ragged)
+        dense = by[(case.label(), "triflash-dense")]
+        assert (dense["passed"] is True) == (case.mode == "prefill-cache")
+    assert any(r["ragged"] and r["page_size"] and r["impl"] == "triflash" for r in rows)
+    if importlib.util.find_spec("matplotlib"):
+        assert out.with_suffix(".png").stat().st_size > 0
+
+    # --resume: the first case's rows are kept as they are, the others measured again
+    first = [dict(r, ms=123.0) for r in rows if label(r) == cases[0].label()]
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"meta": dict(meta, complete=False), "results": first}))
+    again = tmp_path / "resumed.json"
+    assert main([*args, "--out", str(again), "--resume", str(partial), "--seqlens", "64",
+                 "--impls", "triflash", "sdpa-math", "triflash-dense", "--no-plot"]) == 0
+    data = json.loads(again.read_text())
+    assert data["meta"]["resumed"]["cases_kept"] == [cases[0].label()]
+    kept = [r for r in data["results"] if case_key(r) == case_key(cases[0].fields())]
+    assert kept == first
+    assert all(r["ms"] != 123.0 for r in data["results"] if r not in first)
+
+
+def test_decode_isolated_peer(tmp_path):
+    """A decode peer in a worker process of its own, on the parent's tensors, two rounds."""
+    out = tmp_path / "decode.json"
+    assert main(["--device", "cpu", "--preset", "decode-cpu", "--seqlens", "16", "--impls", "triflash,sdpa-math",
+                 "--isolate", "sdpa-math", "--rounds", "2", "--no-plot", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["timing"]["isolated"] == ["sdpa-math"]
+    rows = {r["impl"]: r for r in data["results"]}
+    assert set(rows) == {"triflash", "sdpa-math"} and rows["triflash"]["page_size"] == 1
+    for r in rows.values():
+        assert r["passed"] is True and len(r["ms_rounds"]) == 2 and r["ms"] == pytest.approx(
+            sorted(r["ms_rounds"])[0] / 2 + sorted(r["ms_rounds"])[1] / 2)
+    # same tensors as the parent: the isolated peer's error equals an in-process one's
+    assert rows["sdpa-math"]["max_err"]["out"] < rows["sdpa-math"]["tolerance"]["out"]
