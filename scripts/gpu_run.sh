@@ -9,7 +9,10 @@
 #   SHARD=2/2 in two calls); RESUME=path: a partial h200.json of the same commit whose cases
 #   the benchmark keeps instead of measuring again (each case's rows come from one process)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png} (PARTS=headdims:
-# headdims.json, headdims.png, bench-headdims.txt: --preset headdims).
+# headdims.json, headdims.png, bench-headdims.txt: --preset headdims; PARTS=decode:
+# decode.json, decode.png, bench-decode.txt: --preset decode, published as
+# benchmarks/results/h200-decode-latest.{json,png}; DECODE_IMPLS: its implementations,
+# DECODE_RESUME=path: a partial decode.json of the same commit to resume).
 # The two parts take ~260-535 s each (tests at be2df44: 651 in 263 s with 12 workers, 430 s
 # with 8 at 95274cf; the bench with 3 rounds and FA4 isolated: 453-534 s): one device call
 # each, PARTS=tests (TEST_TIMEOUT default 560) and PARTS=bench (h200.json is rewritten after
@@ -53,4 +56,11 @@ PARTS="${PARTS:-tests bench}"
   --commit "$COMMIT" --impls "${IMPLS:-triflash,triflash-portable,sdpa-cudnn,sdpa-flash,fa2,fa3,fa4}" ${BENCH_ARGS:-} \
   --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" --out "$OUT_DIR/headdims.json" --plot "$OUT_DIR/headdims.png" 2>&1 \
   | tee "$OUT_DIR/bench-headdims-full.txt" | tail -n 40 | tee "$OUT_DIR/bench-headdims.txt"
+# 4. Decoding: flash_attn_with_kvcache in K+V TB/s against a copy timed in the same process,
+#    every installed peer (FA3 / FlashInfer skipped when absent): PARTS=decode, a call of its own.
+[[ " $PARTS " == *" decode "* ]] && timeout "${BENCH_TIMEOUT:-560}" python3 -m triflash.bench --preset decode \
+  --commit "$COMMIT" --impls "${DECODE_IMPLS:-triflash,triflash-dense,sdpa-cudnn,sdpa-flash,fa4,fa3,flashinfer}" ${BENCH_ARGS:-} \
+  ${DECODE_RESUME:+--resume "$DECODE_RESUME"} --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" \
+  --out "$OUT_DIR/decode.json" --plot "$OUT_DIR/decode.png" 2>&1 \
+  | tee "$OUT_DIR/bench-decode-full.txt" | tail -n 60 | tee "$OUT_DIR/bench-decode.txt"
 exit 0

@@ -77,6 +77,46 @@ JSON schema (``--out``, default ``bench-out/results.json``)::
         }
       ]
     }
+
+Decoding (``--preset decode``; ``--preset decode-cpu``: tiny cases for the interpreter):
+``flash_attn_with_kvcache`` over dense and paged caches (page sizes 1 to 256, pages in a
+random permutation, K and V two views of one tensor as vLLM lays them out), ragged lengths,
+4 query tokens, a batch of 256, and one prefill chunk over a cache (2048 new tokens after
+3577 cached) beside ``flash_attn_func`` on the same tokens (``triflash-dense``). Peers:
+``sdpa-cudnn``, ``sdpa-flash``, ``fa4`` (dense caches), ``fa3`` and ``flashinfer`` when
+importable (``bench/decode.py``). Each case is measured in K+V bytes read per second
+against a device-to-device copy timed in the same process (``meta.copy_tb_s``); the
+terminal table gives triflash / the best peer and triflash / the copy
+(``python -m triflash.bench.report FILE`` prints it again). Cases and byte accounting:
+``bench/decode_cases.py``. The JSON has the same ``meta`` (``preset`` "decode") plus::
+
+    "copy_tb_s": float,         # the fastest device copy of the run, (bytes read + written) / s / 1e12
+    "copy": {"bytes": int, "ms": [float], "tb_s": [float], "what": str},   # before and after the cases
+    "tb_s_convention": str
+
+and one row per (case, impl)::
+
+    {
+      "impl": str, "mode": "decode" | "prefill-cache",
+      "batch": int, "cache_len": int,         # tokens cached per sequence (ragged: the most)
+      "nheads": int, "nheads_kv": int, "headdim": int, "headdim_v": int,
+      "page_size": int | null,                # null: dense cache
+      "seqlen_q": int,                        # query tokens per sequence (causal, bottom-right)
+      "seqlen_new": int,                      # keys/values the call appends (prefill-cache)
+      "seqlen_k": int,                        # keys attended at most: cache_len + seqlen_new
+      "ragged": bool, "lens_seed": int,       # ragged: lengths uniform in [1, cache_len], this seed
+      "causal": bool, "dtype": "bf16" | "fp16",
+      "kv_layout": "paged" | "dense",         # what this impl read ("dense" for a peer without
+                                              # page tables on a paged case: the same tokens)
+      "kv_full": bool,                        # read every sequence's whole cache (ragged, peers
+                                              # without per-sequence lengths)
+      "kv_tokens": int, "kv_bytes": int,      # keys it attends, summed over sequences; their K+V bytes
+      "ms": float | null, "ms_rounds": [float], "host_ms": float | null,
+      "tb_s": float | null,                   # kv_bytes / (ms / 1e3) / 1e12
+      "tflops": float | null,                 # FA convention over the (query, key) pairs visited
+      "max_err": {"out": float | null}, "tolerance": {"out": float} | null,
+      "passed": bool | null, "note": str
+    }
 """
 
 

@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 from . import cases as C
+from . import decode_cases as DC
 from . import report
 from .plot import plot as make_plot
+from .plot import plot_decode as make_decode_plot
 from .isolate import Isolated
 from .peers import CPU_IMPLS, GPU_IMPLS, ISOLATED_BY_DEFAULT, SUBJECTS, make_impl
 
@@ -24,12 +26,15 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m triflash.bench", description=(
         "Benchmark triflash against SDPA, FlexAttention and FlashAttention 2/3/4 "
         "(TFLOPS in FlashAttention's convention), with a correctness check per case."))
-    p.add_argument("--preset", choices=sorted(C.PRESETS), help=(
+    p.add_argument("--preset", choices=sorted(C.PRESETS) + sorted(DC.PRESETS), help=(
         "named case set: seed (1x8192x36x256), h200 (README set), fa3 (FA3's sweep), "
-        "cpu (tiny, interpreter). Default: h200 on CUDA, cpu otherwise; fa3 when shape flags are given"))
+        "cpu (tiny, interpreter); decode (KV-cache decoding, TB/s against a copy), "
+        "decode-cpu (tiny decode cases, interpreter). Default: h200 on CUDA, cpu otherwise; "
+        "fa3 when shape flags are given"))
     p.add_argument("--impls", nargs="+", default=["all"], metavar="IMPL",
                    help=f"comma/space separated; default all. GPU: {','.join(GPU_IMPLS)}; "
-                        f"CPU: {','.join(CPU_IMPLS)}")
+                        f"CPU: {','.join(CPU_IMPLS)}. --preset decode: GPU "
+                        f"{','.join(DC.GPU_IMPLS)}; CPU {','.join(DC.CPU_IMPLS)}")
     p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=C.MODES)
     g = p.add_argument_group("shapes", "with --preset, the shape flags (headdims, seqlens, "
                              "batch, nheads, total-tokens) select among its cases; without, they "
@@ -332,6 +337,237 @@ def run_cases(cases, impls, args, device, skipped, on_case=None, done=None):
     return results
 
 
+DECODE_IGNORED = ("total_tokens", "seqlen_k", "nheads_kv", "headdim_v", "window", "only_seqlens")
+
+
+def build_decode_cases(args, device):
+    """The decode preset's cases; --headdims, --seqlens (cache lengths), --batch and
+    --nheads select among them."""
+    given = [f"--{f.replace('_', '-')}" for f in DECODE_IGNORED if getattr(args, f)]
+    if given:
+        sys.exit(f"--preset {args.preset}: {', '.join(given)} do not apply (the cases are fixed; "
+                 "--headdims, --seqlens, --batch and --nheads select among them)")
+    cases = DC.filter_cases(DC.build_cases(args.preset, args.dtype or ("bf16" if device == "cuda" else "fp16")),
+                            headdims=args.headdims, seqlens=args.seqlens, batch=args.batch, nheads=args.nheads)
+    if not cases:
+        sys.exit(f"--preset {args.preset}: no case matches the shape flags (see --list)")
+    return cases
+
+
+def select_decode_impls(args, device):
+    names = [n for item in args.impls for n in item.split(",") if n]
+    if names == ["all"]:
+        names = list(DC.GPU_IMPLS if device == "cuda" else DC.CPU_IMPLS)
+    known = set(DC.GPU_IMPLS) | set(DC.CPU_IMPLS)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"unknown decode impl(s) {unknown}; choose from {sorted(known)}")
+    return names
+
+
+def load_decode_impls(names, device, skipped, isolate=()):
+    from .decode import make_impl as make_decode_impl
+    impls = []
+    for name in names:
+        impl = Isolated(name, device, family="decode") if name in isolate else make_decode_impl(name)
+        if device not in impl.devices:
+            skipped[name] = f"needs {' or '.join(impl.devices)}; this run is on {device}"
+        else:
+            try:
+                impl.load()
+                impls.append(impl)
+                continue
+            except Exception as e:  # noqa: BLE001 - any import problem means "not available"
+                skipped[name] = f"import failed: {type(e).__name__}: {e}"[:500]
+        print(f"skipping {name}: {skipped[name]}", flush=True)
+    return impls
+
+
+def run_decode_cases(cases, impls, args, device, skipped, on_case=None, done=None):
+    """Measure every decode case; returns the result rows (schema: package docstring)."""
+    from . import decode as D
+    from .runner import free_memory, retime
+    timing = dict(warmup=args.warmup, rep=args.rep, cpu_reps=args.cpu_reps)
+    budget = int(args.ref_budget_gb * (1 << 30) / 4)
+    results = []
+    progress = Progress(len(cases) * len(impls))
+    for case in cases:
+        key = DC.case_key(case.fields())
+        if done and key in done:
+            for impl in impls:
+                progress.step(f"{case.label()} {impl.name} (kept)")
+            results += done[key]
+            if on_case is not None:
+                on_case(results)
+            continue
+        x = D.make_inputs(case, device, args.seed)
+        refs = {}  # by kv_full: the keys each sequence attends to
+        case_rows, rows_by_impl, timers_by_impl = [], {}, {}
+        for impl in impls:
+            progress.step(f"{case.label()} {impl.name}")
+            if impl.name in skipped:
+                continue
+            layout, full = impl.layout(case)
+            notes = []
+            if layout == "dense" and case.page_size:
+                notes.append("dense cache holding the paged case's tokens")
+            if full:
+                notes.append(f"reads every sequence's whole cache ({case.cache_len}): no per-sequence lengths")
+            base = dict(impl=impl.name, **case.fields(), kv_layout=layout, kv_full=full,
+                        kv_tokens=case.kv_tokens(full), kv_bytes=case.kv_bytes(full), ms=None, host_ms=None,
+                        tb_s=None, tflops=None, max_err={"out": None}, tolerance=None, passed=None, note="")
+            reason = impl.unsupported(case)
+            if reason:
+                case_rows.append(dict(base, note=f"skipped: {reason}"))
+                continue
+            ref = None
+            if not args.no_check:
+                if full not in refs:
+                    refs[full] = D.reference(case, x, full, budget)
+                ref = refs[full]
+            notes.append(ref.note if ref is not None else "not checked (--no-check)")
+            base["note"] = "; ".join(filter(None, notes))
+            try:
+                timers = {} if args.rounds > 1 else None
+                if isinstance(impl, Isolated):
+                    measured = impl.measure_decode(case, x, ref, timing, timers)
+                else:
+                    measured = D.run_impl(impl, case, x, ref, device, timing, timers)
+            except Exception as e:  # noqa: BLE001 - recorded, never hidden
+                msg = D.error_text(e)
+                if impl.name in DC.SUBJECTS:
+                    progress.write(f"!!! {impl.name} FAILED to run {case.label()}: {msg}")
+                    case_rows.append(dict(base, passed=False, note=f"error: {msg}"))
+                else:
+                    progress.write(f"skipping {impl.name} on {case.label()}: {msg}")
+                    case_rows.append(dict(base, note=f"skipped: {msg}"))
+                if device == "cuda":
+                    import torch
+                    torch.cuda.synchronize()
+            else:
+                rows = {}
+                for mode, m in measured.items():
+                    rows[mode] = row = dict(base, **m)
+                    if m["host_ms"] is not None and m["host_ms"] > LAUNCH_BOUND * m["ms"]:
+                        row["note"] = "; ".join(filter(None, [
+                            row["note"], f"launch-bound? host {m['host_ms']:.3f} ms/call"]))
+                    D.derive(row, case)
+                if timers:
+                    rows_by_impl[impl.name], timers_by_impl[impl.name] = rows, timers
+                case_rows += rows.values()
+            free_memory(device)
+        if timers_by_impl:
+            retime(rows_by_impl, timers_by_impl, device, timing, args.rounds)
+            for rows in rows_by_impl.values():
+                for row in rows.values():
+                    D.derive(row, case)
+        del rows_by_impl, timers_by_impl
+        for impl in impls:
+            if isinstance(impl, Isolated) and impl.name not in skipped:
+                try:
+                    impl.end_case()
+                except RuntimeError as e:  # its worker died: no later case for it
+                    skipped[impl.name] = str(e).splitlines()[0][:300]
+        results += case_rows
+        if case_rows:
+            progress.write("\n" + report.decode_detail_table(case_rows) + "\n")
+        del x, refs
+        free_memory(device)
+        if on_case is not None:
+            on_case(results)
+    progress.close()
+    return results
+
+
+def main_decode(args, argv, in_process):
+    """``--preset decode`` (and decode-cpu): KV-cache attention in TB/s against a copy."""
+    device = choose_device(args)
+    cases = build_decode_cases(args, device)
+    if args.list:
+        print("\n".join(f"{c.label()} ({c.dtype}, {c.mode})" for c in cases))
+        return 0
+    if device == "cpu" and not _interpreting():
+        return rerun_under_interpreter(argv, in_process)
+    from . import decode as D
+    interp = _interpreting()
+    if interp:
+        print(INTERP_WARNING, flush=True)
+        if args.preset != "decode-cpu":
+            print(f"WARNING: --preset {args.preset} on the interpreter runs for hours; "
+                  "--preset decode-cpu is the CPU demo", flush=True)
+    skipped = {}
+    names = [n for item in args.isolate for n in item.split(",") if n]
+    isolate = (set(DC.ISOLATED_BY_DEFAULT) if device == "cuda" else set()) if names == ["default"] \
+        else set() if names == ["none"] else set(names)
+    impls = load_decode_impls(select_decode_impls(args, device), device, skipped, isolate)
+    print(f"{len(cases)} cases x {len(impls)} impls ({', '.join(i.name for i in impls)}) on {device}, "
+          f"preset {args.preset}", flush=True)
+    versions = {i.name: i.version() for i in impls if i.version()}
+    done, resumed = {}, None
+    if args.resume:
+        now = report.collect_meta(device, args.commit)
+        rows, date = load_resume(args.resume, now["commit"], args.preset, now["gpu"])
+        wanted = {DC.case_key(c.fields()): c.label() for c in cases}
+        for row in rows:
+            if DC.case_key(row) in wanted:
+                done.setdefault(DC.case_key(row), []).append(row)
+        resumed = {"from": os.path.basename(args.resume), "date": date,
+                   "cases_kept": [wanted[k] for k in wanted if k in done]}
+        print(f"--resume: {len(done)} of {len(cases)} cases kept from {args.resume} ({date})", flush=True)
+    timing = dict(warmup=args.warmup, rep=args.rep, cpu_reps=args.cpu_reps)
+    copies = [D.measure_copy(device, timing)]
+    print(f"copy: {copies[0]['bytes'] / 2**30:.3g} GiB in {copies[0]['ms']:.3f} ms = "
+          f"{copies[0]['tb_s']:.3f} TB/s (read + written)", flush=True)
+
+    def meta(complete):
+        extra = {"resumed": resumed} if resumed else {}
+        best = max(copies, key=lambda c: c["tb_s"])
+        return dict(report.collect_meta(
+            device, args.commit, peers_skipped=skipped, preset=args.preset, interpreter=interp,
+            impl_versions=versions,
+            timing={"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median",
+                    "rounds": args.rounds, "l2": "flushed before every timed call (do_bench)",
+                    "isolated": sorted(i.name for i in impls if isinstance(i, Isolated))},
+            copy_tb_s=best["tb_s"],
+            copy={"bytes": best["bytes"], "ms": [c["ms"] for c in copies], "tb_s": [c["tb_s"] for c in copies],
+                  "what": "dst.copy_(src) on the device, bf16; tb_s = (bytes read + written) / time / 1e12; "
+                          "copy_tb_s: the fastest of the copies (before and after the cases)"},
+            tb_s_convention=("K+V bytes the impl logically reads (per sequence: the keys it attends x "
+                             "nheads_kv x (headdim + headdim_v) x element size) / time / 1e12"),
+            **extra), complete=complete)
+
+    try:
+        results = run_decode_cases(cases, impls, args, device, skipped,
+                                   on_case=lambda rows: report.write_json(args.out, meta(False), rows), done=done)
+    finally:
+        for impl in impls:
+            if isinstance(impl, Isolated):
+                impl.close()
+    copies.append(D.measure_copy(device, timing))
+    meta = meta(True)
+    report.write_json(args.out, meta, results)
+    names = [i.name for i in impls]
+    print(f"\nK+V TB/s; copy {meta['copy_tb_s']:.3f} TB/s (read + written)"
+          + (" -- interpreter: meaningless" if interp else ""))
+    print(report.decode_summary_table(results, names, meta["copy_tb_s"]))
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+    print(f"\nresults: {args.out}")
+    if not args.no_plot:
+        png = args.plot or os.path.splitext(args.out)[0] + ".png"
+        title = f"{meta['gpu']} -- commit {meta['commit'][:10]}" + (" -- TIMINGS MEANINGLESS" if interp else "")
+        if make_decode_plot(results, png, title, meta["copy_tb_s"]):
+            print(f"plot: {png}")
+    fails = report.failures(results)
+    if fails:
+        print(f"\n{'!' * 72}\n{len(fails)} CORRECTNESS FAILURE(S):\n" + "\n".join(fails) + f"\n{'!' * 72}")
+    else:
+        print("\nall checked results within FA3 tolerance")
+    if interp:
+        print(INTERP_WARNING)
+    return 1 if any(r["passed"] is False and r["impl"] in DC.SUBJECTS for r in results) else 0
+
+
 def main(argv=None):
     """Entry point; returns the exit status (1 if a triflash row failed its check)."""
     in_process = argv is not None
@@ -339,6 +575,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.rounds < 1:
         sys.exit(f"--rounds {args.rounds}: must be >= 1")
+    if args.preset in DC.PRESETS:
+        return main_decode(args, argv, in_process)
     device = choose_device(args)
     preset, cases = build_case_list(args, device)
     if args.list:

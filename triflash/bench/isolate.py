@@ -13,19 +13,27 @@ hands the worker the same tensors (torch.multiprocessing shares them: CUDA IPC o
 shared memory on the CPU), the worker runs ``runner.run_impl`` on them (correctness check,
 timing, host time) and keeps its timed callables, and later rounds (``--rounds``) ask it to
 time them again in the parent's interleaved order. The worker's GPU work never overlaps the
-parent's: every request is answered before the next measurement starts.
+parent's: every request is answered before the next measurement starts. ``family="decode"``
+does the same for the decoding benchmark's impls (``decode.py``: its inputs, its run_impl).
 """
 import queue
 
 from .peers import make_impl
 
 
-def _worker(name, device, requests, replies):
+def _factory(family):
+    if family == "decode":
+        from .decode import make_impl as make_decode_impl
+        return make_decode_impl
+    return make_impl
+
+
+def _worker(name, device, requests, replies, family="attn"):
     """The worker's loop: one request at a time, one reply each ("ok", value) or ("err", text)."""
     import traceback
 
     from .runner import Inputs, bench, free_memory, run_impl
-    impl = make_impl(name)
+    impl = _factory(family)(name)
     try:
         impl.load()
         replies.put(("ok", impl.version()))
@@ -48,6 +56,15 @@ def _worker(name, device, requests, replies):
                 timers.clear()
                 rows = run_impl(impl, case, case_state["x"], case_state["ref"], modes, device, timing,
                                 inference_fwd, timers if keep_timers else None)
+                replies.put(("ok", rows))
+            elif kind == "decode_case":
+                from . import decode
+                case, tensors, ref, timing, keep_timers = payload
+                case_state.update(x=decode.DecodeInputs(**tensors), ref=ref)
+                del tensors, ref
+                timers.clear()
+                rows = decode.run_impl(impl, case, case_state["x"], case_state["ref"], device, timing,
+                                       timers if keep_timers else None)
                 replies.put(("ok", rows))
             elif kind == "time":
                 mode, timing = payload
@@ -78,9 +95,9 @@ class Isolated:
     """An impl (``peers.make_impl(name)``) loaded, made and timed in a worker process; the
     parent keeps an unloaded twin for ``unsupported`` (a question about the case alone)."""
 
-    def __init__(self, name, device):
-        self.name, self.device = name, device
-        self._twin = make_impl(name)
+    def __init__(self, name, device, family="attn"):
+        self.name, self.device, self.family = name, device, family
+        self._twin = _factory(family)(name)
         self.devices = self._twin.devices
         self._proc = self._version = None
 
@@ -89,7 +106,7 @@ class Isolated:
         ctx = tmp.get_context("spawn")
         self._requests, self._replies = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(target=_worker, args=(self.name, self.device, self._requests,
-                                                       self._replies), daemon=True)
+                                                       self._replies, self.family), daemon=True)
         self._proc.start()
         try:
             self._version = self._reply()
@@ -131,6 +148,16 @@ class Isolated:
         if timers is not None:
             timers.update((m, RemoteTimer(self, m)) for m in modes)
         return rows
+
+    def measure_decode(self, case, x, ref, timing, timers=None):
+        """``decode.run_impl`` in the worker on the parent's tensors (``family="decode"``)."""
+        rows = self.call("decode_case", case, x.tensors(), ref, dict(timing), timers is not None)
+        if timers is not None:
+            timers.update((m, RemoteTimer(self, m)) for m in rows)
+        return rows
+
+    def layout(self, case):
+        return self._twin.layout(case)
 
     def end_case(self):
         """The worker drops the case's tensors (before the parent frees them)."""

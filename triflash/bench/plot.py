@@ -3,8 +3,8 @@ as in FlashAttention-3's README figures. matplotlib is optional."""
 import math
 
 MARKERS = "os^vD<>ph*x+"
-IMPL_ORDER = ["triflash", "triflash-portable", "fa4", "fa3", "sdpa-cudnn", "sdpa-flash",
-              "sdpa-efficient", "flex", "fa2", "sdpa-math"]
+IMPL_ORDER = ["triflash", "triflash-portable", "triflash-dense", "fa4", "fa3", "flashinfer", "sdpa-cudnn",
+              "sdpa-flash", "sdpa-efficient", "flex", "fa2", "sdpa-math"]
 
 
 def _series(results):
@@ -83,7 +83,62 @@ def plot(results, path, title=""):
     return path
 
 
-__all__ = ["plot"]
+def plot_decode(results, path, title="", copy_tb_s=None):
+    """A decode run: K+V TB/s per case (groups) and impl (bars), a dashed line at the copy's
+    TB/s (bytes read + written); hatched bars read every sequence's whole cache (ragged
+    cases, peers without per-sequence lengths). Returns the path, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+    from .report import case_label
+    rows = [r for r in results if r.get("tb_s") is not None]
+    if not rows:
+        print("plot skipped: no timed results")
+        return None
+    labels = list(dict.fromkeys(case_label(r) for r in rows))
+    impls = sorted({r["impl"] for r in rows}, key=lambda n: (IMPL_ORDER.index(n) if n in IMPL_ORDER else 99, n))
+    from matplotlib.patches import Patch
+    by_key = {(r["impl"], case_label(r)): r for r in rows}
+    colors = {impl: plt.cm.tab10(j % 10) for j, impl in enumerate(impls)}
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.1 * len(labels) + 3), 5.6))
+    labelled = set()
+    for i, label in enumerate(labels):
+        here = [impl for impl in impls if (impl, label) in by_key]  # bars of this case only
+        width = 0.8 / len(here)
+        for j, impl in enumerate(here):
+            r, x = by_key[(impl, label)], i - 0.4 + width * (j + 0.5)
+            ax.bar(x, r["tb_s"], width, color=colors[impl], hatch="//" if r.get("kv_full") else None,
+                   edgecolor="white" if r.get("kv_full") else colors[impl],
+                   label=None if impl in labelled else impl)
+            labelled.add(impl)
+            if r.get("passed") is False:
+                ax.annotate("FAIL", (x, r["tb_s"]), color="red", fontsize=7, ha="center", va="bottom")
+    if copy_tb_s:
+        ax.axhline(copy_tb_s, color="black", ls="--", lw=1.2,
+                   label=f"device copy, read + written ({copy_tb_s:.3g} TB/s)")
+    handles, names = ax.get_legend_handles_labels()
+    if any(r.get("kv_full") for r in rows):
+        handles.append(Patch(facecolor="lightgray", hatch="//", edgecolor="white"))
+        names.append("hatched: every sequence's whole cache read (ragged)")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("K+V TB/s (bytes the impl reads / time)")
+    ax.set_ylim(bottom=0)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(handles, names, fontsize=8, ncol=2)
+    if title:
+        ax.set_title(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["plot", "plot_decode"]
 
 
 def main(argv=None):
@@ -102,6 +157,8 @@ def main(argv=None):
     stem = args[0][:-3] if args[0].endswith(".gz") else args[0]
     out = args[1] if len(args) > 1 else os.path.splitext(stem)[0] + ".png"
     title = f"{meta.get('gpu', '')} -- commit {str(meta.get('commit', ''))[:10]}"
+    if any("cache_len" in r for r in data["results"]):  # a decode run (--preset decode)
+        return 0 if plot_decode(data["results"], out, title, meta.get("copy_tb_s")) else 1
     return 0 if plot(data["results"], out, title) else 1
 
 
