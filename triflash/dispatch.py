@@ -20,8 +20,10 @@
                  tiles cut into equal shares of key blocks, one per SM, the pieces
                  merged after (hopper.fwd.split_keys, hopper/split_combine.py)
               otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
-              KV cache with cache_batch_idx / cache_leftpad / page table, or varlen q
-                 (run_fwd_cache)                -> portable forward on every target
+              KV cache (run_fwd_cache): a decoding step (query tokens x GQA group <= 64
+                 rows, decodes()) -> kernels/decode.py on every target (packed GQA, split
+                 keys); longer queries with cache_batch_idx / cache_leftpad / page table,
+                 or varlen q -> portable forward; over a plain dense cache -> as above
     backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (hopper/bwd.py, or
                  hopper/bwd256.py at head dims 192 / 256), tile configs.SM90_HOPPER_BWD
                  (dense or varlen batches, headdim == headdim_v in hopper.bwd.HEAD_DIMS
