@@ -448,6 +448,7 @@ def run_decode_cases(cases, impls, args, device, skipped, on_case=None, done=Non
                 rows = {}
                 for mode, m in measured.items():
                     rows[mode] = row = dict(base, **m)
+                    row["note"] = "; ".join(filter(None, [base["note"], m.get("note")]))
                     if m["host_ms"] is not None and m["host_ms"] > LAUNCH_BOUND * m["ms"]:
                         row["note"] = "; ".join(filter(None, [
                             row["note"], f"launch-bound? host {m['host_ms']:.3f} ms/call"]))

@@ -28,7 +28,9 @@ attends to (FlashAttention-3's tolerance rule, as in ``runner.py``).
 
 Timing is ``runner.bench``: ``triton.testing.do_bench`` (median), which zeroes a 256 MB
 buffer before every timed call, so each call starts with a cold L2 (50 MB on an H200) and no
-rotation among cache copies is needed; ``host_ms`` as in the main benchmark.
+rotation among cache copies is needed. On a GPU the timed call is the replay of a CUDA graph
+holding one call (``_graphed``; row ``timing`` "cuda-graph", else "eager" with the reason in
+``note``), as serving engines run decoding steps; ``host_ms`` is the host time to issue the timed call.
 """
 import contextlib
 import importlib
@@ -374,12 +376,41 @@ def run_impl(impl, case, x: DecodeInputs, ref: Optional[Reference], device, timi
         with torch.no_grad(), impl.context():
             fn()
 
+    how, note = "eager", None
+    if device == "cuda":
+        try:
+            timed, how = _graphed(timed), "cuda-graph"
+        except Exception as e:  # noqa: BLE001 (an impl that cannot be captured is timed eagerly)
+            note = f"CUDA graph capture failed, timed eagerly: {error_text(e)}"
+            torch.cuda.synchronize()
     if timers is not None:
         timers[case.mode] = timed
     ms, host_ms = bench(timed, device, **timing)
-    return {case.mode: {"ms": ms, "host_ms": host_ms, "max_err": {"out": errs.get("out")},
-                        "tolerance": {"out": ref.tol["out"]} if ref is not None else None,
-                        "passed": ok}}
+    row = {"ms": ms, "host_ms": host_ms, "timing": how, "max_err": {"out": errs.get("out")},
+           "tolerance": {"out": ref.tol["out"]} if ref is not None else None, "passed": ok}
+    if note:
+        row["note"] = note
+    return {case.mode: row}
+
+
+def _graphed(timed):
+    """One call of ``timed`` captured in a CUDA graph; returns its replay. Serving engines
+    replay decoding steps from graphs, so every impl is timed that way: the kernels' time,
+    not Python's per-call work (which ``host_ms`` still reports for the eager call)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        timed()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        timed()
+    torch.cuda.synchronize()
+
+    def replay():
+        graph.replay()
+    replay.graph = graph
+    return replay
 
 
 def derive(row, case: DecodeCase):
