@@ -378,7 +378,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
                 _fail("cache_leftpad", lp.tolist(), f"expected 0 <= cache_leftpad <= cache_seqlens {c.tolist()}")
     if new_lens is not None:
         return starts, starts + new_lens, capacity
-    return starts, starts + seqlen_new, capacity
+    return starts, (starts + seqlen_new) if seqlen_new else starts, capacity
 
 
 def check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch):

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .common import cache_batch, ceil_div, paged_rows, scores, seqlen_info, to_output, visible
+from .portable import CacheAddressing, _bshd_strides, _lse_strides, alloc_fwd_outputs
 
 
 @dataclass(frozen=True)
@@ -344,8 +345,6 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     packed with ``cu_seqlens_q``) over a KV cache (``portable.CacheAddressing``; dense caches
     too), ``p.max_seqlen_k`` the cache's capacity per sequence, ``seqused_k`` (batch,) int32
     the keys each sequence has (None: the capacity)."""
-    from .portable import _bshd_strides, _lse_strides, alloc_fwd_outputs, CacheAddressing
-
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
