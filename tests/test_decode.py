@@ -211,3 +211,34 @@ def test_decode_kernels_fit_sm90():
     for r in rows:
         assert r["shared"] <= 232448, r
         assert r["spill_bytes"] <= 16, r
+
+
+@pytest.mark.parametrize("num_splits", [1, 0, 3])
+def test_varlen_func_decoding_step(num_splits, monkeypatch):
+    """A serving engine's decoding call, flash_attn_varlen_func with packed queries, a dense
+    batch of caches (cu_seqlens_k=None) and seqused_k: forward-only, it runs the decode
+    kernel (num_splits as FA3 reads it: 1 no split, 0 the heuristic), with the same result
+    as the reference; with gradients it keeps the differentiable path."""
+    gen = torch.Generator(device=DEVICE).manual_seed(num_splits)
+    h, hk, d, cap = 8, 2, 64, 120
+    cu = torch.tensor([0, 2, 3, 5], **I32)
+    q = torch.randn(5, h, d, device=DEVICE, generator=gen).half()
+    k = torch.randn(3, cap, hk, d, device=DEVICE, generator=gen).half()
+    v = torch.randn(3, cap, hk, d, device=DEVICE, generator=gen).half()
+    used = torch.tensor([120, 9, 64], **I32)
+    seen = []
+    real_fwd = decode.fwd
+    monkeypatch.setattr(decode, "fwd", lambda *a, **kw: seen.append(a[-1]) or real_fwd(*a, **kw))
+    with torch.no_grad():
+        out, lse = triflash.flash_attn_varlen_func(q, k, v, cu, None, 2, None, seqused_k=used, causal=True,
+                                                   num_splits=num_splits, return_attn_probs=True)
+    assert seen == [num_splits]
+    for b in range(3):
+        s, e, n = int(cu[b]), int(cu[b + 1]), int(used[b])
+        ref, lse_ref = attention_ref(q[None, s:e], k[b:b + 1, :n], v[b:b + 1, :n], causal=True)
+        lowp, _ = attention_ref(q[None, s:e], k[b:b + 1, :n], v[b:b + 1, :n], causal=True, upcast=False)
+        assert_forward_matches(out[None, s:e], lse[None, :, s:e], ref, lse_ref, lowp)
+    q.requires_grad_(True)
+    out_grad = triflash.flash_attn_varlen_func(q, k, v, cu, None, 2, None, seqused_k=used, causal=True)
+    assert seen == [num_splits] and out_grad.requires_grad
+    assert (out_grad.detach().float() - out.float()).abs().max() < 2e-3

@@ -136,14 +136,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     either side may instead be a dense batch: cu_seqlens_q=None with q (batch, seqlen_q,
     nheads, headdim) (max_seqlen_q then unused), cu_seqlens_k=None with k, v (batch,
     seqlen_k, nheads_kv, headdim[_v]); seqused_q/k still apply, counted from each batch
-    row's start. Every feature of ``flash_attn_func`` applies per sequence. Returns out
+    row's start. Every feature of ``flash_attn_func`` applies per sequence. Forward-only
+    calls with cu_seqlens_k=None whose query tokens times the GQA group fit the decode
+    kernel's tile (a serving engine's decoding step: packed queries, seqused_k over a dense
+    batch of caches) run that kernel, splitting keys as ``num_splits`` says (FA3's default 1:
+    no split; 0: the heuristic). Returns out
     (total_q, nheads, headdim_v) (a dense q: (batch, seqlen_q, nheads, headdim_v)), and lse
     (nheads, total_q) (a dense q: (batch, nheads, seqlen_q)) if return_attn_probs.
     """
     _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
     causal = V.as_flag("causal", causal)
     deterministic = V.as_flag("deterministic", deterministic)
-    dense_q = None
+    dense_q = dense_kv = None
     if cu_seqlens_q is None:  # FA3: q is then a dense batch (batch, seqlen_q, ...)
         V._check_tensor("q", q, 4)
         dense_q = q.shape[:2]
@@ -161,6 +165,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         f"expected the batch size {batch}")
         if k.shape[1] != v.shape[1]:
             V._fail("seqlen_k", (k.shape[1], v.shape[1]), "k and v must share seqlen_k")
+        dense_kv = (k, v)
         k, cu_seqlens_k, max_seqlen_k = _as_packed(k)
         v = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
     else:
@@ -170,14 +175,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
-    out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                             *ops.pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale,
-                                               left, right, softcap, deterministic))
+    scalars = ops.pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap, deterministic)
+    if (dense_kv is not None and dense_q is None and seqused_q is None and not _needs_grad(q, k, v)
+            and dispatch.decodes(max_seqlen_q, q.shape[-2], k.shape[-2], cu_seqlens_q.shape[0] - 1)):
+        # a decoding step over a dense batch of caches (a serving engine's call: packed
+        # queries, seqused_k): the decode kernel, as flash_attn_with_kvcache runs it
+        num_splits = V.as_int("num_splits", num_splits, "expected an int, 0 for a heuristic")
+        k_cache, v_cache = (V.last_dim_contiguous(x) for x in dense_kv)
+        out, lse = ops.attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, None, None, None,
+                                         scalars[0] + [max(num_splits, 0)], scalars[1])
+    else:
+        out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars)
     if dense_q is not None:
         out = out.reshape(*dense_q, *out.shape[1:])
         if return_attn_probs:
             lse = lse.reshape(lse.shape[0], *dense_q).transpose(0, 1).contiguous()
     return (out, lse) if return_attn_probs else out
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _as_packed(x):
