@@ -58,6 +58,15 @@ def pytest_collection_modifyitems(config, items):
     items[:] = keep
 
 
+def selected_params(request, argname, values):
+    """The ``values`` of parameter ``argname`` that this session runs the requesting test
+    function with (after -k, -m, TRIFLASH_TEST_IDS, ...): for tests whose cases run together
+    in one spawned group of processes, so that a selection spawns only for what it runs."""
+    chosen = {item.callspec.params.get(argname) for item in request.session.items
+              if getattr(item, "originalname", None) == request.node.originalname and hasattr(item, "callspec")}
+    return [v for v in values if v in chosen] or list(values)
+
+
 @pytest.fixture(autouse=True)
 def _poison_outputs():
     """Every kernel output starts as NaN, so an element a kernel forgets to write fails."""

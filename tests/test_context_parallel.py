@@ -229,13 +229,17 @@ def _worker(rank, world, tmp, cases, device, backend):
 _RESULTS = {}
 
 
-def _results(cases, world, device, backend, tmp_path_factory):
-    """Every case of ``cases`` with this world size, run by one spawned group (the ranks
-    import triflash, and compile its kernels, once): {name: (inputs, [per-rank results])}."""
-    key = (tuple(cases), world, device, backend)
-    if key not in _RESULTS:
+def _results(cases, name, device, backend, request, tmp_path_factory):
+    """(inputs, [per-rank results]) of case ``name``. The cases of its world size that this
+    session runs go to one spawned group (the ranks import triflash, and compile its
+    kernels, once)."""
+    from conftest import selected_params
+    done = _RESULTS.setdefault((device, backend), {})
+    if name not in done:
+        world = cases[name].world
+        names = [n for n in selected_params(request, "name", cases) if cases[n].world == world and n not in done]
+        names = names if name in names else [name]
         tmp = str(tmp_path_factory.mktemp(f"cp{world}-{device}-{backend}"))
-        names = [n for n, c in cases.items() if c.world == world]
         dtype = torch.float16 if device == "cpu" else torch.bfloat16
         inputs = {}
         for n in names:
@@ -243,9 +247,9 @@ def _results(cases, world, device, backend, tmp_path_factory):
             torch.save(inputs[n], f"{tmp}/{n}.pt")
         mp.start_processes(_worker, args=(world, tmp, {n: cases[n] for n in names}, device, backend), nprocs=world,
                            start_method="spawn")
-        _RESULTS[key] = {n: (inputs[n], [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(world)])
-                         for n in names}
-    return _RESULTS[key]
+        for n in names:
+            done[n] = (inputs[n], [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(world)])
+    return done[name]
 
 
 def _gathered(case, per_rank, device):
@@ -300,9 +304,9 @@ def _check_full(case, got, data, device):
 
 @needs_dist
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_full_attention(name, tmp_path_factory):
+def test_matches_full_attention(name, request, tmp_path_factory):
     case = CASES[name]
-    data, per_rank = _results(CASES, case.world, "cpu", "gloo", tmp_path_factory)[name]
+    data, per_rank = _results(CASES, name, "cpu", "gloo", request, tmp_path_factory)
     _check_full(case, _gathered(case, per_rank, "cpu"), data, "cpu")
 
 
@@ -311,12 +315,12 @@ STAGED_CASES = {name: CASES[name] for name in ("ring-causal-gqa", "zigzag-causal
 
 @needs_dist
 @pytest.mark.parametrize("name", list(STAGED_CASES))
-def test_host_staged_backend_on_cpu(name, tmp_path_factory):
+def test_host_staged_backend_on_cpu(name, request, tmp_path_factory):
     """The GPU tests' process group (HostStagedGloo) on CPU tensors: the same results as
     plain gloo, bit for bit."""
     case = STAGED_CASES[name]
-    data, per_rank = _results(STAGED_CASES, case.world, "cpu", "host_staged_gloo", tmp_path_factory)[name]
-    _, plain = _results(CASES, case.world, "cpu", "gloo", tmp_path_factory)[name]
+    data, per_rank = _results(STAGED_CASES, name, "cpu", "host_staged_gloo", request, tmp_path_factory)
+    _, plain = _results(CASES, name, "cpu", "gloo", request, tmp_path_factory)
     for staged, want in zip(per_rank, plain):
         for key in want:
             assert torch.equal(staged[key], want[key]), key
@@ -500,9 +504,9 @@ def test_gpu_world_of_one_equals_flash_attn(d, causal):
 @on_gpu
 @needs_dist
 @pytest.mark.parametrize("name", list(GPU_CASES))
-def test_gpu_matches_full_attention(name, tmp_path_factory):
+def test_gpu_matches_full_attention(name, request, tmp_path_factory):
     """2 and 3 ranks, each a process on cuda:0, through HostStagedGloo (module docstring);
     GPU_CASES lists the shapes."""
     case = GPU_CASES[name]
-    data, per_rank = _results(GPU_CASES, case.world, "cuda", "host_staged_gloo", tmp_path_factory)[name]
+    data, per_rank = _results(GPU_CASES, name, "cuda", "host_staged_gloo", request, tmp_path_factory)
     _check_full(case, _gathered(case, per_rank, "cuda"), data, "cuda")

@@ -760,7 +760,7 @@ _TORCH_CP_RESULTS = {}
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @needs_registry
 @pytest.mark.parametrize("name", list(TORCH_CP_CASES))
-def test_torch_context_parallel_two_ranks_one_gpu(name, tmp_path_factory):
+def test_torch_context_parallel_two_ranks_one_gpu(name, request, tmp_path_factory):
     """torch's context_parallel over 2 ranks, two processes on cuda:0 with gloo (NCCL refuses
     two ranks on one device; gloo stages CUDA tensors through the host for the all-gather of
     K/V, the all-to-all of dK/dV and the unsharding): every ring step's forward and backward
@@ -770,12 +770,16 @@ def test_torch_context_parallel_two_ranks_one_gpu(name, tmp_path_factory):
     import torch.multiprocessing as mp
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the backend serves sm90 GPUs; elsewhere every call goes to torch's kernel")
-    if not _TORCH_CP_RESULTS:
+    if name not in _TORCH_CP_RESULTS:  # the cases this session runs, in one spawned pair
+        from conftest import selected_params
+        names = [n for n in selected_params(request, "name", TORCH_CP_CASES) if n not in _TORCH_CP_RESULTS]
+        names = names if name in names else [name]
         tmp = str(tmp_path_factory.mktemp("torch_cp2"))
-        for n, (d, causal, gqa, seqlen) in TORCH_CP_CASES.items():
+        for n in names:
+            d, causal, gqa, seqlen = TORCH_CP_CASES[n]
             torch.save([x.cpu() for x in _torch_cp_inputs(d, causal, gqa, seqlen)], f"{tmp}/{n}.pt")
-        mp.start_processes(_torch_cp_worker, args=(2, tmp, list(TORCH_CP_CASES)), nprocs=2, start_method="spawn")
-        for n in TORCH_CP_CASES:
+        mp.start_processes(_torch_cp_worker, args=(2, tmp, names), nprocs=2, start_method="spawn")
+        for n in names:
             _TORCH_CP_RESULTS[n] = [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(2)]
     d, causal, gqa, seqlen = TORCH_CP_CASES[name]
     per_rank = _TORCH_CP_RESULTS[name]
