@@ -24,6 +24,7 @@ the worker, and a CPU rank must set TRITON_INTERPRET before triflash is imported
 """
 import datetime
 import os
+import zlib
 from typing import NamedTuple
 
 import pytest
@@ -213,7 +214,8 @@ def _worker(rank, world, tmp, cases, device, backend):
         torch.cuda.set_device(0)  # every rank on the one GPU
     if backend == "host_staged_gloo":
         HostStagedGloo.register()
-    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+    store = f"{tmp}/store-{zlib.crc32(' '.join(sorted(cases)).encode()):08x}"  # one rendezvous per group
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120 if device == "cpu" else 900))
     from triflash import context_parallel as cp
     from triflash.kernels import portable
@@ -232,24 +234,24 @@ _RESULTS = {}
 def _results(cases, name, device, backend, request, tmp_path_factory):
     """(inputs, [per-rank results]) of case ``name``. The cases of its world size that this
     session runs go to one spawned group (the ranks import triflash, and compile its
-    kernels, once)."""
-    from conftest import selected_params
-    done = _RESULTS.setdefault((device, backend), {})
-    if name not in done:
+    kernels, once; pytest-xdist workers share the group's files)."""
+    from conftest import selected_params, shared_results_dir
+    if (device, backend, name) not in _RESULTS:
         world = cases[name].world
-        names = [n for n in selected_params(request, "name", cases) if cases[n].world == world and n not in done]
-        names = names if name in names else [name]
-        tmp = str(tmp_path_factory.mktemp(f"cp{world}-{device}-{backend}"))
+        names = [n for n in selected_params(request, "name", cases) if cases[n].world == world]
+        names += [] if name in names else [name]
         dtype = torch.float16 if device == "cpu" else torch.bfloat16
-        inputs = {}
+
+        def produce(tmp, missing):
+            for n in missing:
+                torch.save(_inputs(cases[n], dtype), f"{tmp}/{n}.pt")
+            mp.start_processes(_worker, args=(world, tmp, {n: cases[n] for n in missing}, device, backend),
+                               nprocs=world, start_method="spawn")
+        tmp = shared_results_dir(tmp_path_factory, f"cp{world}-{device}-{backend}", names, produce)
         for n in names:
-            inputs[n] = _inputs(cases[n], dtype)
-            torch.save(inputs[n], f"{tmp}/{n}.pt")
-        mp.start_processes(_worker, args=(world, tmp, {n: cases[n] for n in names}, device, backend), nprocs=world,
-                           start_method="spawn")
-        for n in names:
-            done[n] = (inputs[n], [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(world)])
-    return done[name]
+            _RESULTS[(device, backend, n)] = (torch.load(f"{tmp}/{n}.pt"),
+                                              [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(world)])
+    return _RESULTS[(device, backend, name)]
 
 
 def _gathered(case, per_rank, device):

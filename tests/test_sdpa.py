@@ -611,7 +611,7 @@ def _torch_ring_worker(rank, world, tmp, names):
     import torch.distributed as dist
     cp_options, ring_fwd, ring_bwd = _torch_ring_functions()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{_store(tmp, names)}", rank=rank, world_size=world)
     handle = sdpa.activate_kernels("CPU")  # aten's flash ops on CPU tensors: triflash under the interpreter
     runs, restore = _record_runs(dispatch)
     aten = torch.ops.aten
@@ -638,29 +638,49 @@ def _torch_ring_worker(rank, world, tmp, names):
         dist.destroy_process_group()
 
 
-_TORCH_RING_RESULTS = {}
+_TWO_RANK_RESULTS = {}
+
+
+def _store(tmp, names):
+    """The rendezvous file of the group that runs ``names``."""
+    import zlib
+    return f"{tmp}/store-{zlib.crc32(' '.join(names).encode()):08x}"
+
+
+def _two_rank_results(worker, key, cases, name, request, tmp_path_factory, inputs):
+    """The 2 ranks' results of case ``name``: ``worker(rank, 2, directory, names)`` spawned
+    once for the cases of ``cases`` this session runs (pytest-xdist workers share its
+    files), each case's inputs ``inputs(*cases[case])`` (CPU) saved for it."""
+    import torch.multiprocessing as mp
+    from conftest import selected_params, shared_results_dir
+    if (key, name) not in _TWO_RANK_RESULTS:
+        names = selected_params(request, "name", cases)
+        names += [] if name in names else [name]
+
+        def produce(tmp, missing):
+            for n in missing:
+                torch.save([x.cpu() for x in inputs(*cases[n])], f"{tmp}/{n}.pt")
+            mp.start_processes(worker, args=(2, tmp, missing), nprocs=2, start_method="spawn")
+        tmp = shared_results_dir(tmp_path_factory, key, names, produce)
+        for n in names:
+            _TWO_RANK_RESULTS[(key, n)] = [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(2)]
+    return _TWO_RANK_RESULTS[(key, name)]
 
 
 @needs_registry
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors under the interpreter; on a GPU: test_torch_context_parallel_*")
 @pytest.mark.skipif(_torch_ring_functions() is None, reason="torch's private ring functions moved (2.11's place)")
 @pytest.mark.parametrize("name", list(TORCH_RING_CASES))
-def test_torch_ring_steps_on_cpu(name, tmp_path_factory):
+def test_torch_ring_steps_on_cpu(name, request, tmp_path_factory):
     """The ring torch's context_parallel runs (its private _templated_ring_attention and
     _backward), called as context_parallel calls them, over 2 gloo ranks on CPU tensors with
     triflash's kernels on the CPU dispatch key: every step is triflash's, with the shapes
     _expected_runs says (the GPU tests assert the same), and the merged result passes FA3's
     rule against attention over the whole sequence."""
-    import torch.multiprocessing as mp
-    if not _TORCH_RING_RESULTS:
-        tmp = str(tmp_path_factory.mktemp("torch_ring"))
-        for n, (causal, seqlen) in TORCH_RING_CASES.items():
-            torch.save(_torch_cp_inputs(32, causal, True, seqlen, dtype=torch.float16, heads=4), f"{tmp}/{n}.pt")
-        mp.start_processes(_torch_ring_worker, args=(2, tmp, list(TORCH_RING_CASES)), nprocs=2, start_method="spawn")
-        for n in TORCH_RING_CASES:
-            _TORCH_RING_RESULTS[n] = [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(2)]
     causal, seqlen = TORCH_RING_CASES[name]
-    per_rank = _TORCH_RING_RESULTS[name]
+    per_rank = _two_rank_results(_torch_ring_worker, "torch_ring", TORCH_RING_CASES, name, request, tmp_path_factory,
+                                 lambda causal, seqlen: _torch_cp_inputs(32, causal, True, seqlen, dtype=torch.float16,
+                                                                         heads=4))
     q, k, v, dout = _torch_cp_inputs(32, causal, True, seqlen, dtype=torch.float16, heads=4)
     got = [torch.empty_like(x) for x in (q, q, k, v)]
     for rank, result in enumerate(per_rank):
@@ -730,7 +750,7 @@ def _torch_cp_worker(rank, world, tmp, names):
     torch.cuda.set_device(0)  # both ranks on the one GPU
     # gloo: NCCL refuses two ranks on one device; gloo moves CUDA tensors through the host
     # for the all-gather and all-to-all torch's ring and unsharding use
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{_store(tmp, names)}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=900))
     portable.POISON = True  # kernel outputs start as NaN, as under the suite's fixture
     runs, restore = _record_runs(dispatch)
@@ -753,8 +773,6 @@ def _torch_cp_worker(rank, world, tmp, names):
         dist.destroy_process_group()
 
 
-_TORCH_CP_RESULTS = {}
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -767,22 +785,11 @@ def test_torch_context_parallel_two_ranks_one_gpu(name, request, tmp_path_factor
     on each rank is triflash's (the rectangles of the second step included), nothing falls
     back to torch's kernel, both ranks unshard the same result, and it matches the fp32
     reference (FA3's rule)."""
-    import torch.multiprocessing as mp
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the backend serves sm90 GPUs; elsewhere every call goes to torch's kernel")
-    if name not in _TORCH_CP_RESULTS:  # the cases this session runs, in one spawned pair
-        from conftest import selected_params
-        names = [n for n in selected_params(request, "name", TORCH_CP_CASES) if n not in _TORCH_CP_RESULTS]
-        names = names if name in names else [name]
-        tmp = str(tmp_path_factory.mktemp("torch_cp2"))
-        for n in names:
-            d, causal, gqa, seqlen = TORCH_CP_CASES[n]
-            torch.save([x.cpu() for x in _torch_cp_inputs(d, causal, gqa, seqlen)], f"{tmp}/{n}.pt")
-        mp.start_processes(_torch_cp_worker, args=(2, tmp, names), nprocs=2, start_method="spawn")
-        for n in names:
-            _TORCH_CP_RESULTS[n] = [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(2)]
     d, causal, gqa, seqlen = TORCH_CP_CASES[name]
-    per_rank = _TORCH_CP_RESULTS[name]
+    per_rank = _two_rank_results(_torch_cp_worker, "torch_cp2", TORCH_CP_CASES, name, request, tmp_path_factory,
+                                 _torch_cp_inputs)
     for rank, result in enumerate(per_rank):
         assert result["fallback"] is None, (rank, result["fallback"])
         assert [tuple(r) for r in result["runs"]] == _expected_runs(2, rank, seqlen, causal), (rank, result["runs"])
