@@ -58,6 +58,37 @@ def pytest_collection_modifyitems(config, items):
     items[:] = keep
 
 
+def selected_params(request, argname, values):
+    """The ``values`` of parameter ``argname`` that this session runs the requesting test
+    function with (after -k, -m, TRIFLASH_TEST_IDS, ...): for tests whose cases run together
+    in one spawned group of processes, so that a selection spawns only for what it runs."""
+    chosen = {item.callspec.params.get(argname) for item in request.session.items
+              if getattr(item, "originalname", None) == request.node.originalname and hasattr(item, "callspec")}
+    return [v for v in values if v in chosen] or list(values)
+
+
+def shared_results_dir(tmp_path_factory, key, names, produce):
+    """A directory that holds what ``produce(directory, missing_names)`` writes for every
+    name in ``names``, made once per test session: pytest-xdist workers (the suite's -n)
+    share it under a file lock, so that one worker spawns the group of processes for a set
+    of cases and the others wait for its files instead of spawning the same group again.
+    ``produce`` runs for the names no earlier call has produced."""
+    import fcntl
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's, common to its workers
+    directory = root / key
+    directory.mkdir(exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = [n for n in names if not (directory / f"{n}.done").exists()]
+        if missing:
+            produce(str(directory), missing)
+            for n in missing:
+                (directory / f"{n}.done").touch()
+    return str(directory)
+
+
 @pytest.fixture(autouse=True)
 def _poison_outputs():
     """Every kernel output starts as NaN, so an element a kernel forgets to write fails."""

@@ -6,7 +6,9 @@ SDPA's layouts and through the dispatcher after activating them for the CPU disp
 so what runs there is triflash's. Cases triflash does not serve go to a fake previous
 kernel. With an sm90 GPU the same tests run on CUDA tensors (the dispatcher cycle on the
 CUDA key, torch's kernel behind it), and ``test_sdpa_on_gpu`` runs
-``F.scaled_dot_product_attention`` with the backend activated.
+``F.scaled_dot_product_attention`` with the backend activated; the
+``test_torch_context_parallel_*`` tests run it under torch's context parallelism
+(``test_torch_ring_steps_on_cpu``: torch's ring itself, over 2 gloo ranks on the CPU).
 """
 import pytest
 import torch
@@ -481,3 +483,317 @@ def test_sdpa_on_gpu(d, causal, gqa, monkeypatch):
     (out_builtin, _), names = _kernel_names(run)
     assert any("flash" in n for n in names) and not any(n.startswith(TRIFLASH_KERNELS) for n in names), sorted(names)
     assert max_err(out_builtin, out_ref) <= fa_tolerance(out_ref, out_lowp)
+
+
+# ---- torch's context parallelism over triflash (one GPU) -----------------------------------
+#
+# torch.distributed.tensor.experimental.context_parallel shards the buffers it is given along
+# the sequence and patches F.scaled_dot_product_attention: its inputs become DTensors, and
+# torch's ring (_templated_ring_attention, _templated_ring_attention_backward) calls
+# aten._scaled_dot_product_flash_attention and its backward on the local shards once per ring
+# step; triflash's override serves those calls. With one rank the ring has one step (the
+# whole causal or full block, nothing rotated); the steps with another rank's K/V block (a
+# rectangle, not causal: all local queries against half the block, or half the queries
+# against all of it, under torch's head-tail load balancing) need a second rank.
+
+def _record_runs(module):
+    """Wrap ``module.run_fwd`` / ``run_bwd`` (triflash.dispatch): returns the list that gets
+    (kind, seqlen_q, seqlen_k, causal) of every forward / backward triflash runs, and a
+    function that restores them."""
+    runs, fwd, bwd = [], module.run_fwd, module.run_bwd
+
+    def note(kind, params):
+        runs.append((kind, params.max_seqlen_q, params.max_seqlen_k, params.window_right == 0))
+
+    def run_fwd(*args, **kwargs):
+        note("fwd", args[7])
+        return fwd(*args, **kwargs)
+
+    def run_bwd(*args, **kwargs):
+        note("bwd", args[10])
+        return bwd(*args, **kwargs)
+    module.run_fwd, module.run_bwd = run_fwd, run_bwd
+
+    def restore():
+        module.run_fwd, module.run_bwd = fwd, bwd
+    return runs, restore
+
+
+def _torch_context_parallel(mesh, q, k, v, dout, causal, gqa):
+    """F.scaled_dot_product_attention forward and backward under torch's context_parallel:
+    q, k, v, dout (batch, heads, seqlen, dim) sharded along the sequence (torch's head-tail
+    load balancing when causal; torch refuses it otherwise); returns the unsharded out, dq,
+    dk, dv."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    previous, sdpa_fn = _cp_options.enable_load_balance, F.scaled_dot_product_attention
+    _cp_options.enable_load_balance = causal
+    try:
+        cp_q, cp_k, cp_v, cp_dout = (x.detach().clone() for x in (q, k, v, dout))
+        with context_parallel(mesh, buffers=[cp_q, cp_k, cp_v, cp_dout], buffer_seq_dims=[2, 2, 2, 2]):
+            leaves = (cp_q, cp_k, cp_v)
+            for x in leaves:
+                x.requires_grad_()
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(cp_q, cp_k, cp_v, is_causal=causal, enable_gqa=gqa)
+            out.backward(cp_dout)
+            grads = [x.grad for x in leaves]
+            for x in leaves:  # (context_parallel restores the buffers with resize_)
+                x.requires_grad_(False)
+        return context_parallel_unshard(mesh, [out.detach()] + grads, [2, 2, 2, 2])
+    finally:
+        _cp_options.enable_load_balance = previous
+        F.scaled_dot_product_attention = sdpa_fn  # (context_parallel leaves its patch when its body raises)
+
+
+def _torch_cp_inputs(d, causal, gqa, seqlen, dtype=torch.bfloat16, heads=8, seed=6):
+    """q, k, v, dout (batch 2, ``heads`` query heads, a quarter of them KV heads with gqa),
+    contiguous (batch, heads, seqlen, dim)."""
+    q, k, v = _sdpa_inputs(2, heads, heads // 4 if gqa else heads, seqlen, seqlen, d, "bhsd", dtype=dtype, seed=seed)
+    dout = _rand(*q.shape, dtype=dtype, g=torch.Generator().manual_seed(seed + 1))
+    return q, k, v, dout
+
+
+def _expected_runs(world, rank, seqlen, causal):
+    """What torch's ring hands triflash on rank ``rank``: (kind, seqlen_q, seqlen_k, causal)
+    per ring step, forward then backward. Causal (head-tail load balancing, the rank holding
+    chunks rank and 2 * world - 1 - rank): step 0 the causal diagonal; a later step all local
+    queries against the first chunk of an earlier rank's K/V, or the second half of the local
+    queries against all of a later rank's. Not causal: every step the whole local block."""
+    local = seqlen // world
+    steps = []
+    for i in range(world):
+        if not causal:
+            steps.append((local, local, False))
+        elif i == 0:
+            steps.append((local, local, True))
+        elif i <= rank:
+            steps.append((local, local // 2, False))
+        else:
+            steps.append((local // 2, local, False))
+    return [("fwd",) + s for s in steps] + [("bwd",) + s for s in steps]
+
+
+def _check_torch_cp(got, q, k, v, dout, causal):
+    out, dq, dk, dv = got
+    assert out.shape == q.shape and not out.isnan().any()
+    out_ref, _, out_lowp = _ref(q, k, v, causal=causal)
+    err, tol = max_err(out, out_ref), fa_tolerance(out_ref, out_lowp)
+    assert err <= tol, f"out: max error {err} > tolerance {tol}"
+    assert_grads_match((dq, dk, dv), *_ref_grads(q, k, v, dout, causal=causal))
+
+
+def _torch_ring_functions():
+    """torch's ring (private: torch/distributed/tensor/experimental/_context_parallel/
+    _attention.py at torch 2.11), or None where it moved."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+        return (_attention._cp_options, _attention._templated_ring_attention,
+                _attention._templated_ring_attention_backward)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _cp_shard_index(seqlen, world, rank, causal):
+    """The sequence positions rank ``rank`` holds: torch's head-tail load balancing under
+    causal (chunks rank and 2 * world - 1 - rank of 2 * world), else contiguous."""
+    if not causal:
+        return torch.arange(rank * seqlen // world, (rank + 1) * seqlen // world)
+    c = seqlen // (2 * world)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(seqlen - (rank + 1) * c, seqlen - rank * c)])
+
+
+TORCH_RING_CASES = {"causal": (True, 36), "full": (False, 34)}  # (causal, seqlen): 2 ranks, odd chunks
+
+
+def _torch_ring_worker(rank, world, tmp, names):
+    import torch.distributed as dist
+    cp_options, ring_fwd, ring_bwd = _torch_ring_functions()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{_store(tmp, names)}", rank=rank, world_size=world)
+    handle = sdpa.activate_kernels("CPU")  # aten's flash ops on CPU tensors: triflash under the interpreter
+    runs, restore = _record_runs(dispatch)
+    aten = torch.ops.aten
+    try:
+        for name in names:
+            causal, seqlen = TORCH_RING_CASES[name]
+            cp_options.enable_load_balance = causal
+            idx = _cp_shard_index(seqlen, world, rank, causal)
+            q, k, v, dout = (x[:, :, idx].contiguous() for x in torch.load(f"{tmp}/{name}.pt"))
+            runs.clear()
+            out, lse, *rest = ring_fwd(dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention, q, k, v,
+                                       is_causal=causal, dropout_p=0.0, scale=None)
+            cum_q, cum_k, max_q, max_k, rng_state, unused, _ = rest
+            dq, dk, dv, *_ = ring_bwd(dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_backward.default,
+                                      grad_out=dout, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
+                                      logsumexp=lse, is_causal=causal, cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q,
+                                      max_k=max_k, dropout_p=0.0, philox_seed=rng_state, philox_offset=unused,
+                                      scale=None)
+            torch.save(dict(got=[out, dq, dk, dv], runs=list(runs), fallback=sdpa.last_fallback),
+                       f"{tmp}/{name}.rank{rank}.pt")
+    finally:
+        restore()
+        handle.remove()
+        dist.destroy_process_group()
+
+
+_TWO_RANK_RESULTS = {}
+
+
+def _store(tmp, names):
+    """The rendezvous file of the group that runs ``names``."""
+    import zlib
+    return f"{tmp}/store-{zlib.crc32(' '.join(names).encode()):08x}"
+
+
+def _two_rank_results(worker, key, cases, name, request, tmp_path_factory, inputs):
+    """The 2 ranks' results of case ``name``: ``worker(rank, 2, directory, names)`` spawned
+    once for the cases of ``cases`` this session runs (pytest-xdist workers share its
+    files), each case's inputs ``inputs(*cases[case])`` (CPU) saved for it."""
+    import torch.multiprocessing as mp
+    from conftest import selected_params, shared_results_dir
+    if (key, name) not in _TWO_RANK_RESULTS:
+        names = selected_params(request, "name", cases)
+        names += [] if name in names else [name]
+
+        def produce(tmp, missing):
+            for n in missing:
+                torch.save([x.cpu() for x in inputs(*cases[n])], f"{tmp}/{n}.pt")
+            mp.start_processes(worker, args=(2, tmp, missing), nprocs=2, start_method="spawn")
+        tmp = shared_results_dir(tmp_path_factory, key, names, produce)
+        for n in names:
+            _TWO_RANK_RESULTS[(key, n)] = [torch.load(f"{tmp}/{n}.rank{r}.pt") for r in range(2)]
+    return _TWO_RANK_RESULTS[(key, name)]
+
+
+@needs_registry
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors under the interpreter; on a GPU: test_torch_context_parallel_*")
+@pytest.mark.skipif(_torch_ring_functions() is None, reason="torch's private ring functions moved (2.11's place)")
+@pytest.mark.parametrize("name", list(TORCH_RING_CASES))
+def test_torch_ring_steps_on_cpu(name, request, tmp_path_factory):
+    """The ring torch's context_parallel runs (its private _templated_ring_attention and
+    _backward), called as context_parallel calls them, over 2 gloo ranks on CPU tensors with
+    triflash's kernels on the CPU dispatch key: every step is triflash's, with the shapes
+    _expected_runs says (the GPU tests assert the same), and the merged result passes FA3's
+    rule against attention over the whole sequence."""
+    causal, seqlen = TORCH_RING_CASES[name]
+    per_rank = _two_rank_results(_torch_ring_worker, "torch_ring", TORCH_RING_CASES, name, request, tmp_path_factory,
+                                 lambda causal, seqlen: _torch_cp_inputs(32, causal, True, seqlen, dtype=torch.float16,
+                                                                         heads=4))
+    q, k, v, dout = _torch_cp_inputs(32, causal, True, seqlen, dtype=torch.float16, heads=4)
+    got = [torch.empty_like(x) for x in (q, q, k, v)]
+    for rank, result in enumerate(per_rank):
+        assert result["fallback"] is None, (rank, result["fallback"])
+        assert [tuple(r) for r in result["runs"]] == _expected_runs(2, rank, seqlen, causal), (rank, result["runs"])
+        for whole, part in zip(got, result["got"]):
+            whole[:, :, _cp_shard_index(seqlen, 2, rank, causal)] = part
+    _check_torch_cp(got, q, k, v, dout, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@needs_registry
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_torch_context_parallel_world_of_one(d, causal, gqa, monkeypatch):
+    """torch's context_parallel on a device mesh of one GPU (a process group of one rank),
+    triflash activated: SDPA's forward and backward match the fp32 reference (FA3's rule),
+    the profiler names triflash's Hopper kernels (and not torch's flash kernel), and the one
+    ring step's forward and backward were triflash's, over the whole sequence (odd chunks:
+    1001 tokens, 2 x 501 under causal load balancing). The second rank's steps:
+    test_torch_context_parallel_two_ranks_one_gpu."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the backend serves sm90 GPUs; elsewhere every call goes to torch's kernel")
+    monkeypatch.setattr(sdpa, "last_fallback", None)
+    seqlen = 1002 if causal else 1001
+    q, k, v, dout = _torch_cp_inputs(d, causal, gqa, seqlen)
+    assert not dist.is_initialized()
+    torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo",
+                            store=dist.HashStore(), rank=0, world_size=1)
+    runs, restore = _record_runs(dispatch)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        attention.activate_flash_attention_impl("triflash")
+        try:
+            got, names = _kernel_names(lambda: _torch_context_parallel(mesh, q, k, v, dout, causal, gqa))
+            assert sdpa.last_fallback is None, sdpa.last_fallback
+        finally:
+            attention.restore_flash_attention_impl()
+    finally:
+        restore()
+        dist.destroy_process_group()
+    assert any("hopper_fwd_kernel" in n for n in names), sorted(names)
+    assert any("hopper_bwd" in n or "hopper_dq" in n for n in names), sorted(names)
+    assert not any("pytorch_flash" in n for n in names), sorted(names)
+    assert runs == _expected_runs(1, 0, seqlen, causal), runs
+    _check_torch_cp(got, q, k, v, dout, causal)
+
+
+TORCH_CP_CASES = {  # name -> (head dim, causal, gqa, seqlen): 2 ranks, odd chunks
+    "d64-causal-gqa": (64, True, True, 1004),
+    "d128-full": (128, False, False, 1002),
+    "d128-causal": (128, True, False, 1004),
+    "d256-causal-gqa": (256, True, True, 1004),
+}
+
+
+def _torch_cp_worker(rank, world, tmp, names):
+    import datetime
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from triflash.kernels import portable
+    torch.cuda.set_device(0)  # both ranks on the one GPU
+    # gloo: NCCL refuses two ranks on one device; gloo moves CUDA tensors through the host
+    # for the all-gather and all-to-all torch's ring and unsharding use
+    dist.init_process_group("gloo", init_method=f"file://{_store(tmp, names)}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=900))
+    portable.POISON = True  # kernel outputs start as NaN, as under the suite's fixture
+    runs, restore = _record_runs(dispatch)
+    try:
+        mesh = init_device_mesh("cuda", (world,))
+        attention.activate_flash_attention_impl("triflash")
+        try:
+            for name in names:
+                d, causal, gqa, _ = TORCH_CP_CASES[name]
+                q, k, v, dout = (x.cuda() for x in torch.load(f"{tmp}/{name}.pt"))
+                runs.clear()
+                sdpa.last_fallback = None
+                got = _torch_context_parallel(mesh, q, k, v, dout, causal, gqa)
+                torch.save(dict(got=[x.cpu() for x in got], runs=list(runs), fallback=sdpa.last_fallback),
+                           f"{tmp}/{name}.rank{rank}.pt")
+        finally:
+            attention.restore_flash_attention_impl()
+    finally:
+        restore()
+        dist.destroy_process_group()
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@needs_registry
+@pytest.mark.parametrize("name", list(TORCH_CP_CASES))
+def test_torch_context_parallel_two_ranks_one_gpu(name, request, tmp_path_factory):
+    """torch's context_parallel over 2 ranks, two processes on cuda:0 with gloo (NCCL refuses
+    two ranks on one device; gloo stages CUDA tensors through the host for the all-gather of
+    K/V, the all-to-all of dK/dV and the unsharding): every ring step's forward and backward
+    on each rank is triflash's (the rectangles of the second step included), nothing falls
+    back to torch's kernel, both ranks unshard the same result, and it matches the fp32
+    reference (FA3's rule)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the backend serves sm90 GPUs; elsewhere every call goes to torch's kernel")
+    d, causal, gqa, seqlen = TORCH_CP_CASES[name]
+    per_rank = _two_rank_results(_torch_cp_worker, "torch_cp2", TORCH_CP_CASES, name, request, tmp_path_factory,
+                                 _torch_cp_inputs)
+    for rank, result in enumerate(per_rank):
+        assert result["fallback"] is None, (rank, result["fallback"])
+        assert [tuple(r) for r in result["runs"]] == _expected_runs(2, rank, seqlen, causal), (rank, result["runs"])
+    for a, b in zip(*(r["got"] for r in per_rank)):
+        assert torch.equal(a, b)
+    q, k, v, dout = _torch_cp_inputs(d, causal, gqa, seqlen)
+    _check_torch_cp([x.to(DEVICE) for x in per_rank[0]["got"]], q, k, v, dout, causal)

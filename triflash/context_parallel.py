@@ -18,7 +18,8 @@ Ring / zigzag forward: ``world`` steps. At step s the rank holds the K/V shard o
 rank r - 1 (``batch_isend_irecv``), computes the partial attention of (part of) its queries
 against (part of) the visiting block with triflash's forward kernel, giving (out_s, lse_s),
 waits for the transfer, and merges: lse = logaddexp(lse, lse_s), out = out * exp(lse_old -
-lse) + out_s * exp(lse_s - lse), in fp32 (rows no key has reached yet stay out 0, lse -inf).
+lse) + out_s * exp(lse_s - lse), in fp32 (rows no key has reached yet stay out 0, lse -inf;
+``merge.merge_partials``, the merge ``flash_attn_combine`` runs).
 Causal ring: step 0 is the causal diagonal block, blocks of earlier ranks are full, blocks of
 later ranks are skipped. Causal zigzag: step 0 causal over the two local chunks; an earlier
 rank's block: all local queries against its first chunk; a later rank's block: the second
@@ -53,6 +54,7 @@ import torch.distributed as dist
 
 from . import ops
 from . import validation as V
+from .merge import merge_partials
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
            "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
@@ -128,13 +130,12 @@ def _block_plan(zigzag, causal, rank, step, half):
 
 
 def _merge(out, lse, block_out, block_lse):
-    """In place, fp32: (out, lse) <- the softmax-weighted union of (out, lse) and the block's.
-    out (b, s, h, d), lse (b, h, s); a row -inf on both sides stays out 0, lse -inf."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    safe = torch.where(torch.isneginf(new_lse), 0.0, new_lse)
-    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(block_out.float() * w_new)
+    """In place, fp32: (out, lse) <- the log-sum-exp merge (``merge.merge_partials``, as
+    ``flash_attn_combine``) of (out, lse) and the block's. out (b, s, h, d), lse (b, h, s); a
+    row -inf on both sides stays out 0, lse -inf."""
+    merged, new_lse = merge_partials(torch.stack([out.transpose(1, 2), block_out.transpose(1, 2).float()]),
+                                     torch.stack([lse, block_lse]))
+    out.copy_(merged.transpose(1, 2))
     lse.copy_(new_lse)
 
 

@@ -34,6 +34,7 @@ import torch
 from . import dispatch, ops
 from . import validation as V
 from .kernels.decode import plan as decode_plan
+from .merge import merge_partials
 from .rotary import apply_rotary, token_positions
 
 
@@ -379,10 +380,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, retur
     dtype = out_dtype if out_dtype is not None else (out.dtype if out is not None else out_partial.dtype)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         V._fail("out_dtype", dtype, "expected torch.float32, float16 or bfloat16")
-    lse = torch.logsumexp(lse_partial, dim=0)
-    scale = torch.exp(lse_partial - lse)  # NaN where every split is -inf
-    scale = torch.where(torch.isfinite(scale), scale, 0.0)
-    merged = torch.einsum("s...,s...d->...d", scale, out_partial)
+    merged, lse = merge_partials(out_partial, lse_partial)
     if out is None:
         out = merged.to(dtype)
     else:
