@@ -390,6 +390,7 @@ def main(argv=None):
             os.makedirs(a.dump, exist_ok=True)
             name = "-".join(str(r[k]) for k in ("kernel", "headdim", "dtype", "feature", "atomic_dq") if k in r)
             name += "-varlen" if r.get("varlen") else ""
+            name += "-kvcache" if r.get("kvcache") else ""
             name += "-3wg" if r.get("num_consumers", 2) == 3 else ""
             name += f"-split{r['tail_split']}" if r.get("tail_split") else ""
             with open(os.path.join(a.dump, name + ".ptx"), "w") as fh:
