@@ -81,15 +81,15 @@ HOPPER_FWD_SPILL_BUDGET = {
     # walk of the plain tile keeps more addresses live next to it (372 B measured, bf16 and
     # fp16; causal and window + softcap 0 B), and ran as fast as Q from shared memory
     # (configs.HopperFwdConfig.q_regs); with per-thread partial row sums (sum_partial) 404 B;
-    # with the turns on named barriers (named_turns) 484 B, two spill stores and loads per key
-    # block in two of its loops (one with the turns on mbarriers), and 0.4% faster non-causal
-    # in five rounds (`benchmarks/results/probes/probe-rounds-named1.json` at fb45c0d); the
+    # with the turns on named barriers 484 B, two spill stores and loads per key block in two
+    # of its loops, and 0.4% faster non-causal in five rounds than on mbarriers
+    # (`benchmarks/results/probes/probe-rounds-named1.json` at fb45c0d); the
     # plain rows compile the split tail's walk (split_keys: 0 B; its walk without pieces is
     # the option row, 484 B)
     ("plain", 128): 512,
     # the split tail's walk at 256 (split_keys): its table's entry and piece kept
     # across the loop, 128 B, two spill loads per key block in two of its loops
-    # (scripts/sass_loops.py fwd 256 plain); 176 B with the turns on mbarriers (an option row)
+    # (scripts/sass_loops.py fwd 256 plain)
     ("plain", 256): 192,
     # the 256 tile with sum_partial and rescale_threshold (the warpgroup's min of alpha
     # before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
@@ -139,9 +139,8 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # At 256 under the causal mask (not dispatched there: O is rescaled late under masks) with
 # the threshold decided per warp (warp_skip) 148 B.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256, ("causal", 256): 160}
-# 128 without pingpong turns (an option): the persistent plain tile spills 452 B
-# (372 B with them), two spill stores and loads per key block in two of its loops (one with);
-# with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B, with
+# 128 plain, the persistent walk without the split tail's pieces (split_keys off): 484 B;
+# 256 causal with per-thread partial row sums (sum_partial) 88 B, with
 # rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
 # rescale; one spill store and load per key block in two of the four loops); 128 causal with
 # tree_max (off there) and the per-warp threshold (warp_skip) 28 B
@@ -169,7 +168,7 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("plain", 128): 256,
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
-    # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers (named_turns)
+    # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers
     # 212 / 220 B (GPU tests passed; the varlen seed forward ran 0.946x the dense
     # one in c0c4f9a's benchmark, 0.953x in 5ae1b49's); with O's rescale decided per warp
     # (warp_skip: the early rescale's branch over 128 values of O) 392 B, at 256
@@ -353,8 +352,7 @@ def test_tile_variants_compile_for_sm90a():
     above compile them in every form.) The 64 / 128
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
     forward with each row's max of S by a tree
-    (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin), with the
-    turns on mbarriers instead of named barriers (``named_turns``) and with
+    (``tree_max``), with
     per-thread partial row sums (``sum_partial``), and at 256 the stale running max
     (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
     one Q slot), at 128 / 256 the walk without the split tail (``split_keys``), and O's
@@ -389,7 +387,7 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold", "split_keys", "warp_skip",
+            if r.get("option", "").startswith(("sum_partial", "rescale_threshold", "split_keys", "warp_skip",
                                                  "tree_max")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":

@@ -205,14 +205,11 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 # Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
 # dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128, here
 # off), and flipped from the dispatched value: ``tree_max`` (each row's max
-# of S by a tree: max is exact, so the same maxima), ``pingpong`` (64: the three
-# consumers taking turns round robin; 128 / 256 with or without turns), ``named_turns`` (the
-# turns on named barriers) and, at 256, ``persistent_unmasked`` (unmasked tiles walked by one
-# persistent CTA per SM, one Q slot).
+# of S by a tree: max is exact, so the same maxima) and, at 256, ``persistent_unmasked``
+# (unmasked tiles walked by one persistent CTA per SM, one Q slot).
 FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
-    (d, {o: _configs.flipped(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max", "pingpong") for d in (64, 128, 256)] + [
-    (256, {"persistent_unmasked": _configs.flipped(_configs.SM90_HOPPER_FWD[256], "persistent_unmasked")})] + [
-    (d, {"named_turns": _configs.flipped(_configs.SM90_HOPPER_FWD[d], "named_turns")}) for d in (64, 128, 256)]
+    (d, {o: _configs.flipped(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max",) for d in (64, 128, 256)] + [
+    (256, {"persistent_unmasked": _configs.flipped(_configs.SM90_HOPPER_FWD[256], "persistent_unmasked")})]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
@@ -221,9 +218,8 @@ FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
 @pytest.mark.parametrize("d,option", FWD_SAME_BITS, ids=lambda x: str(x))
 @pytest.mark.option
 def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatch):
-    """Where Q is read from (registers or shared memory), in which order a row's max is taken,
-    in which order the consumers issue their wgmmas and how CTAs walk the tiles change
-    neither the products nor the order of the sums: out and lse keep the dispatched tile's
+    """Where Q is read from (registers or shared memory), in which order a row's max is taken
+    and how CTAs walk the tiles change neither the products nor the order of the sums: out and lse keep the dispatched tile's
     bits. Dense
     tiles of every walk (one CTA per tile, persistent, scheduled under masks) and a varlen
     batch."""

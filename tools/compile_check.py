@@ -260,7 +260,7 @@ def all_variants():
     key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
     and V's slots (``dq_split_v`` off) and of a varlen batch with 64-key ones
     (``dq_split_v_varlen``), and the forward rescaling O before P V
-    (``rescale_early``), with its row max by a tree (``tree_max``), ``pingpong`` flipped and
+    (``rescale_early``), with its row max by a tree (``tree_max``) and
     per-thread partial row sums (``sum_partial``)."""
     import dataclasses
 
@@ -309,8 +309,7 @@ def all_variants():
                                     v_stages=1),
                          packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):
-    # each row's max of S by a tree (tree_max), the consumers' turns (pingpong; 64: round
-    # robin over three), the turns on named barriers (named_turns), per-thread partial row
+    # each row's max of S by a tree (tree_max), per-thread partial row
     # sums (sum_partial), and at 256 the stale
     # running max (rescale_threshold) and the persistent walk of unmasked tiles with one Q
     # slot (persistent_unmasked); O's rescale decided per warp (warp_skip)
@@ -342,7 +341,7 @@ def code_of(ptx: str) -> str:
 
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
-FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial", "named_turns"))) + (
+FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "sum_partial"))) + (
     (256, "rescale_threshold"), (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys")) + tuple(
     (d, "warp_skip") for d in (64, 128, 256))
 

@@ -55,17 +55,9 @@ class HopperFwdConfig:
     block_n: int
     stages: int
     num_consumers: int = 2
-    # consumers take turns issuing wgmmas (FA3's scheduler barrier; three consumers in a round
-    # robin, as FA4's head-dim-64 forward: at 64 in SM90_HOPPER_FWD with tree_max and
-    # sum_partial, the three together 510.6 -> 525.5 / 484.7 -> 493.0 on 2x8192x32x64,
-    # probes/probe-rounds-95960bf.json at fb45c0d, where the same kernel measured twice gave
-    # 510.6 and 519.3 / 484.7 and 491.9)
-    pingpong: bool = False
-    # the turns on named barriers (``bar.sync`` to take one, ``bar.arrive`` to pass it on: FA3
-    # / FA4's warp scheduler barriers) instead of mbarriers (a polled wait, and an arrive by
-    # one thread that Triton's barrier pass brackets with warpgroup syncs). The same
-    # outputs, bit for bit.
-    named_turns: bool = False
+    # (Every tile: the consumers take turns issuing wgmmas, a round robin over three at 64,
+    # on named barriers, ``hopper.fwd._take_turn``; without turns, or on mbarriers:
+    # docs/performance.md.)
     # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
     # wgmma; the same values). On: off -> on in interleaved rounds
     # (probes/probe-rounds-packed-8ce1f2a.json at fb45c0d) 64 464.1 -> 503.4 / 430.7 ->
@@ -366,10 +358,8 @@ SM90_BWD = {
 #   tiles (hopper-fwd-tiles-509b418.json): 64: 128 keys x 2-3 stages 404/387 > 64 x 4 370/355;
 #     128: 128 x 2 595/551 > 64 x 3-4 544/502; 256: 64 x 2 681/631 > 32 x 4 509/492
 #     (64 x 3 does not fit in shared memory).
-#   schedules (hopper-fwd-schedules-33a8e80.json, 8k tokens): pingpong helps at 128 (616/569
-#     vs 601/563) and 256 causal (657 vs 650), not at 64 with two consumers (three in a
-#     round robin are dispatched: ``pingpong`` above); the persistent loop (one Q slot) did
-#     not pay at 8k and was erratic at 1k.
+#   schedules (hopper-fwd-schedules-33a8e80.json, 8k tokens): the persistent loop (one Q
+#     slot) did not pay at 8k and was erratic at 1k (the consumers' turns: docs/performance.md).
 #   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
 #     hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
 #     against two consumers' 415.2/406.2 (cuDNN 465.5/439.7 in the same process); 64 keys x 4
@@ -394,8 +384,7 @@ SM90_BWD = {
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     # Beyond the tiles: tree_max, sum_partial and the round robin of turns at 64, sum_partial
-    # at 128 / 256 (probes/probe-rounds-95960bf.json at fb45c0d); the turns on named barriers
-    # (named_turns, probes/probe-rounds-named1.json at fb45c0d); the split tail at 128 / 256
+    # at 128 / 256 (probes/probe-rounds-95960bf.json at fb45c0d); the split tail at 128 / 256
     # (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d: 2x8192x16x128
     # 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
     # 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there); O's rescale decided per
@@ -404,12 +393,12 @@ SM90_HOPPER_FWD = {
     # 2x8192x16x128 646.9 -> 654.1 / 615.8 -> 623.7, seed 694.9 -> 721.2 / 674.1 -> 676.1).
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True, pingpong=True, named_turns=True, tree_max=True,
+                        rescale_early=True, tree_max=True,
                         sum_partial=True, rescale_threshold=8.0, warp_skip=True),
-    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, named_turns=True, persistent_unmasked=True,
+    128: HopperFwdConfig(block_n=128, stages=2, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
                          sum_partial=True, split_keys=1, rescale_threshold=8.0, warp_skip=True),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, named_turns=True, persistent_masked=True,
+    256: HopperFwdConfig(block_n=64, stages=2, persistent_masked=True,
                          rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True,
                          split_keys=1, warp_skip=True),
 }

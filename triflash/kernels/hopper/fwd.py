@@ -16,7 +16,7 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   ``common.n_block_range`` decides which is which, as in the portable kernels. With
   ``OWN_BLOCKS`` (``HopperFwdConfig.own_blocks``) each consumer takes that range for its
   own 64 rows: it computes only the blocks they see, masks only where they need it, and
-  merely waits for and releases the ring slots (and pingpong turns) of the tile's others
+  merely waits for and releases the ring slots (and turns) of the tile's others
   (``_own_blocks``, ``_skip_step``).
 * epilogue: O / l into the consumer's own Q tile (no longer needed), TMA store (rows past
   the sequence are clipped by the descriptor), LSE with plain stores.
@@ -313,8 +313,8 @@ def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP: gl.constexpr):
     return o_acc
 
 
-# Named barriers of the turns (``HopperFwdConfig.named_turns``): TURN_BARRIER + consumer
-# id. Triton's warp specialization uses ids 0-3 here (the partitions' own syncs, the
+# The consumers' turns at issuing wgmmas (FA3 / FA4's warp scheduler barriers) are named
+# barriers: TURN_BARRIER + consumer id. Triton's warp specialization uses ids 0-3 here (the partitions' own syncs, the
 # CTA-wide one); 16 exist. _TURN_ASM[ARRIVE * 3 + id]: the PTX that waits on (``bar.sync``)
 # or arrives at (``bar.arrive``) one, for the 256 threads of two consumer warpgroups.
 TURN_BARRIER = 12
@@ -330,36 +330,27 @@ def _named_barrier(ID: gl.constexpr, ARRIVE: gl.constexpr):
 
 
 @gluon.jit
-def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
-    """Pingpong: wait until the consumer before has issued its wgmmas (FA3's warp scheduler
-    barrier; with three consumers a round robin, as FA4's at head dim 64), so one
-    warpgroup's softmax runs under the others' matrix multiplies. ``PINGPONG`` 1: the turns
-    are mbarriers (``turns``, phase ``turn & 1``); 2: named barriers, as FA3 / FA4
-    (``HopperFwdConfig.named_turns``: no polling, and none of the warpgroup syncs that
-    Triton's barrier pass puts around a one-thread ``mbarrier.arrive``)."""
-    if PINGPONG == 2:
-        _named_barrier(CID, False)
-    elif PINGPONG:
-        mbarrier.wait(turns.index(CID), turn & 1)
+def _take_turn(CID: gl.constexpr):
+    """Wait until the consumer before has issued its wgmmas (FA3's warp scheduler barrier;
+    with three consumers a round robin, as FA4's at head dim 64), so one warpgroup's softmax
+    runs under the others' matrix multiplies. On named barriers, as FA3 / FA4: no polling,
+    and none of the warpgroup syncs that Triton's barrier pass puts around a one-thread
+    ``mbarrier.arrive`` (turns without them, or on mbarriers: docs/performance.md, "Tried
+    and not kept")."""
+    _named_barrier(CID, False)
 
 
 @gluon.jit
-def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr):
+def _pass_turn(CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """... to the next consumer (round robin over two or three)."""
-    N: gl.constexpr = turns.shape[0]
-    if PINGPONG == 2:
-        _named_barrier((CID + 1) % N, True)
-    elif PINGPONG:
-        mbarrier.arrive(turns.index((CID + 1) % N))
+    _named_barrier((CID + 1) % NUM_CONSUMERS, True)
 
 
 @gluon.jit
-def _first_turn(CID: gl.constexpr, PINGPONG: gl.constexpr):
-    """Named-barrier turns: consumer 0 arrives on its own barrier once, so it issues first
-    (the mbarrier turns start with an arrival in the kernel's prologue)."""
-    if PINGPONG == 2:
-        if CID == 0:
-            _named_barrier(0, True)
+def _first_turn(CID: gl.constexpr):
+    """Consumer 0 arrives on its own barrier once, so it issues first."""
+    if CID == 0:
+        _named_barrier(0, True)
 
 
 @gluon.jit
@@ -390,15 +381,15 @@ def _own_blocks(row_start, len_q, len_k, window_left, window_right, n_min, n_ful
 
 
 @gluon.jit
-def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.constexpr, CID: gl.constexpr,
-               PINGPONG: gl.constexpr):
+def _skip_step(g, k_ready, v_ready, k_free, v_free, STAGES: gl.constexpr, CID: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr):
     """A key block none of this consumer's rows sees: its turn is taken and passed, its ring
     slot waited for (an arrival must not count toward the slot's previous phase) and
     released."""
     stage = g % STAGES
     phase = (g // STAGES) & 1
-    _take_turn(turns, turn, CID, PINGPONG)
-    _pass_turn(turns, CID, PINGPONG)
+    _take_turn(CID)
+    _pass_turn(CID, NUM_CONSUMERS)
     mbarrier.wait(k_ready.index(stage), phase)
     mbarrier.arrive(k_free.index(stage))
     mbarrier.wait(v_ready.index(stage), phase)
@@ -406,12 +397,12 @@ def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.cons
 
 
 @gluon.jit
-def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns, turn,
+def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
               o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
               qk_scale, softcap_log2, window_left, window_right,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
+              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PACKED_CVT: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
               THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
               SUM_PARTIAL: gl.constexpr = False, SKIP: gl.constexpr = 0):
@@ -428,7 +419,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
     stage = g % STAGES
     prev = (g - 1) % STAGES
-    _take_turn(turns, turn, CID, PINGPONG)
+    _take_turn(CID)
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
@@ -437,7 +428,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
         o_acc = _rescale(o_acc, alpha_prev, o_layout, SKIP)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
-    _pass_turn(turns, CID, PINGPONG)
+    _pass_turn(CID, NUM_CONSUMERS)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_free.index(stage))
     cols = (n_max - 1 - it) * BLOCK_N + cols0
@@ -455,13 +446,13 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 
 @gluon.jit
 def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
-                  v_free, turns, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
+                  v_free, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
                   num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                   total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
@@ -476,9 +467,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
-    _first_turn(CID, PINGPONG)
+    _first_turn(CID)
     kv_base = 0
-    turn = 0
     local = 0
     first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
     for walk in range(first, end, step):
@@ -508,8 +498,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 row_start, len_q, len_k, window_left, window_right, n_min, n_full_min, n_full_max, n_max,
                 BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for it in range(0, lead):
-                _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it, STAGES, CID,
-                           PINGPONG)
+                _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, STAGES, CID, NUM_CONSUMERS)
         else:  # the tile's range for every consumer
             lead: gl.constexpr = 0
             end = count
@@ -521,12 +510,12 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             # slower).
             g0 = kv_base + lead
             stage = g0 % STAGES
-            _take_turn(turns, turn + lead, CID, PINGPONG)
+            _take_turn(CID)
             mbarrier.wait(k_ready.index(stage), (g0 // STAGES) & 1)
             s_tok = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
-            _pass_turn(turns, CID, PINGPONG)
+            _pass_turn(CID, NUM_CONSUMERS)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_free.index(stage))
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
@@ -547,33 +536,29 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 for it in range(bounds[seg], bounds[seg + 1]):
                     o_acc, m_i, l_i, p_prev, alpha = _fwd_step(
                         kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
-                        v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                        v_free, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
-                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SKIP)
+                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, NUM_CONSUMERS,
+                        PACKED_CVT, alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SKIP)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
             g_last = kv_base + end - 1
             last = g_last % STAGES
-            _take_turn(turns, turn + end, CID, PINGPONG)
+            _take_turn(CID)
             mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
             o_tok = warpgroup_mma(p_prev, v_ring.index(last), o_acc, is_async=True)
-            _pass_turn(turns, CID, PINGPONG)
+            _pass_turn(CID, NUM_CONSUMERS)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(v_free.index(last))
             if OWN_BLOCKS and HAS_LEFT:  # blocks left of its rows' window
                 for it in range(end, count):
-                    _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it + 1,
-                               STAGES, CID, PINGPONG)
-            if not OWN_BLOCKS:
-                turn += count + 1
+                    _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, STAGES, CID, NUM_CONSUMERS)
         if OWN_BLOCKS:
             if count > 0:
-                if end == lead:  # (every block skipped: one more turn, so both take count + 1)
-                    _take_turn(turns, turn + count, CID, PINGPONG)
-                    _pass_turn(turns, CID, PINGPONG)
-                turn += count + 1
+                if end == lead:  # (every block skipped: one more turn, so each takes count + 1)
+                    _take_turn(CID)
+                    _pass_turn(CID, NUM_CONSUMERS)
         kv_base += count
 
         # A row that saw no key: output 0, lse = -inf (never NaN).
@@ -617,7 +602,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       qk_scale, softcap_log2, window_left, window_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
@@ -644,8 +629,11 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # pingpong: one turn barrier per consumer, round robin (FA4's scheduler barriers)
-    TURNS: gl.constexpr = NUM_CONSUMERS if PINGPONG else 2
+    # One mbarrier per consumer, initialised and never waited on: the turns' barriers before
+    # they moved to named barriers (``_take_turn``). Kept, with consumer 0's arrival below:
+    # without them the shared-memory offsets, and so the instructions, of the kernel measured
+    # on the H200 change.
+    TURNS: gl.constexpr = NUM_CONSUMERS
     turns = gl.allocate_shared_memory(gl.int64, [TURNS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
@@ -657,37 +645,37 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
         mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(TURNS):
         mbarrier.init(turns.index(i), count=1)
-    mbarrier.arrive(turns.index(0))  # consumer 0 issues first
+    mbarrier.arrive(turns.index(0))
 
     # (Gluon takes each partition's arguments spelled out: a shared tuple would turn the
     # constexprs into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
     if NUM_CONSUMERS == 3:
         gl.warp_specialize(
             [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
@@ -700,21 +688,21 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     else:
         gl.warp_specialize(
             [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
@@ -774,16 +762,11 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            turns_kind(cfg), cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
+            cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
             threshold(cfg, params), cfg.tree_max, cfg.sum_partial, how == "pieces", rescale_skip(cfg, params)]
     return grid, args
-
-
-def turns_kind(cfg) -> int:
-    """``PINGPONG``: 0 no turns, 1 turns on mbarriers, 2 on named barriers (``named_turns``)."""
-    return (2 if cfg.named_turns else 1) if cfg.pingpong else 0
 
 
 def rescale_early(cfg, params) -> bool:
