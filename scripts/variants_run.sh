@@ -25,7 +25,7 @@ STEPS=" ${STEPS:-tests bwd256 bwd128 fwd} "
 [[ -n "${FIXED_COST:-}" ]] && STEPS="$STEPS fixed "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
-  -k "${TEST_K:-packed_cvt or timeline or reg_a or q_regs}"
+  -k "${TEST_K:-timeline or reg_a or q_regs}"
 # forward options that must not change the outputs (SAME_VARIANTS): bitwise against the dispatched tiles
 [[ -n "${SAME_VARIANTS:-}" ]] && has same && step same "${T_SAME:-120}" python3 scripts/same_outputs.py \
   --variants "$SAME_VARIANTS"

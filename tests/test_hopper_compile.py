@@ -73,7 +73,7 @@ HOPPER_FWD_SPILL_BUDGET = {
     # sliding-window bounds + the softcap's tanh temporaries on top of the 240 registers the
     # 128-key S tile and the O accumulator use; a few words spilled on the rare path only.
     ("window-softcap", 128): 128,
-    # at 256 P's pairwise 16-bit conversion (packed_cvt, dispatched) keeps more values live:
+    # at 256 P's pairwise 16-bit conversion (hopper.common.to_16bit) keeps more values live:
     # 172 B measured dense (bf16 and fp16), 140 B in the KV-cache form,
     # against 8 / 32 B one at a time (its speed with window + softcap is not measured yet)
     ("window-softcap", 256): 192,
@@ -175,7 +175,7 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     # and 192: the varlen seed forward 661.9 (3afe79e's run, 212 B) -> 675.7 (119238b's, 392 B),
     # 2x8192x8x256 665.4 -> 680.9
     ("plain", 256): 448,
-    # 396 B measured with packed_cvt (360 B one at a time)
+    # 396 B measured with the pairwise 16-bit conversions (360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
@@ -197,7 +197,7 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # (bf16 and fp16, 7c818c1), and 1.6-3.1% faster than one CTA per tile
 # (configs.SM90_HOPPER_FWD); window + softcap there spills nothing.
 # With each consumer keeping its own key-block range (own_blocks, dispatched at 64) none of
-# them spills (bf16 and fp16; dense, varlen, the KV-cache form, packed_cvt off): the sizes
+# them spills (bf16 and fp16; dense, varlen, the KV-cache form): the sizes
 # above (plain 648 B, causal 32 / 336 B, varlen causal 404 B) were measured without it.
 # With O rescaled before P V is issued (rescale_early, dispatched at 64) the
 # unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
@@ -272,8 +272,8 @@ def test_hopper_forward_compiles_for_sm90a():
         (d, "plain") for d, c in tiles.items() if c.split_keys}
     assert not any(r["scheduled"] and (r.get("varlen") or r.get("kvcache")) for r in rows)
     for r in rows:
-        # P to 16 bits two at a time (packed_cvt): no one-at-a-time conversion left
-        assert r["scalar_cvt"] == 0 or not tiles[r["headdim"]].packed_cvt, r
+        # P to 16 bits two at a time (hopper.common.to_16bit): no one-at-a-time conversion left
+        assert r["scalar_cvt"] == 0, r
         if r.get("num_consumers") == 3:
             budget = HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_FWD_3WG_SPILL_BUDGET
         else:
@@ -343,10 +343,7 @@ def test_hopper_dq_compiles_for_sm90a():
 
 def test_tile_variants_compile_for_sm90a():
     """Tile options the dispatch does not use compile within the dispatched tiles' budgets:
-    ``packed_cvt`` off (LLVM's one-at-a-time 16-bit conversions of P / dS; the dispatched
-    tiles pack two at a time, ``hopper.common.to_16bit``), where the forward
-    does convert one at a time (384 times at head dim 128; the dispatched forward never, test
-    above); the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps, and with K / V
+    the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps, and with K / V
     read from shared memory (``reg_a`` 0; the dispatched kernel's is 1). (The head-dim-64 dK/dV
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs`` are dispatched: the tests
     above compile them in every form.) The 64 / 128
@@ -361,7 +358,6 @@ def test_tile_variants_compile_for_sm90a():
     from triflash.kernels import configs
     rows = _compiled("variants")
     from tools import compile_check
-    assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
     assert {(r["kernel"], r["feature"]) for r in rows if r.get("timeline")} == {
         (k, f) for k in ("hopper_bwd256", "hopper_bwd") for f in ("plain", "causal")}
     assert {r["feature"] for r in rows if r.get("reg_a") == 0} == {"plain", "causal"}
@@ -376,7 +372,6 @@ def test_tile_variants_compile_for_sm90a():
         (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
         for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
     for r in rows:
-        assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
         elif r.get("timeline") and r["kernel"] == "hopper_bwd":

@@ -140,37 +140,6 @@ def test_hopper_bwd_padded_head_dims_strided(d):
     assert max_err(got, dref) <= fa_tolerance(dref, dpt)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
-@pytest.mark.option
-def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
-    """The dispatched tiles' ``packed_cvt`` (``hopper.common.to_16bit``: 16-bit P / dS two at
-    a time, on) gives the bits of LLVM's one-at-a-time conversions: they
-    round alike, and a pair landing in the wrong half of its register would change them; so
-    does the head-dim-256 dK/dV kernel's ``tma_epilogue`` those of its register stores.
-    Forward (out, lse) and deterministic backward."""
-    import dataclasses
-    from triflash.kernels import configs
-    causal, window, softcap = MASKS[mask]
-    g = torch.Generator(device="cuda").manual_seed(d)
-    q, k, v = (torch.randn(2, 777, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for h in (8, 2, 2))
-    dout = torch.randn(2, 777, 8, d, device="cuda", dtype=torch.bfloat16, generator=g)
-
-    def run():
-        with triflash.force_backend("hopper"):
-            out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
-                                                deterministic=True, return_attn_probs=True)
-            return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
-    dispatched = run()
-    assert configs.SM90_HOPPER_FWD[d].packed_cvt and configs.SM90_HOPPER_BWD[d].packed_cvt
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d], packed_cvt=False))
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d], packed_cvt=False,
-                                                                       tma_epilogue=False))
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dispatched, run()):
-        assert torch.equal(a, b), name
-
-
 def _two_sequences(d, shape, seed):
     """(q, k, v, cu_q, cu_k, generator): fresh bf16 inputs of batch 2, ``shape`` = (sq, sk,
     heads, kv heads), from a CUDA generator seeded with ``seed`` (returned for more draws),

@@ -171,15 +171,14 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
 
 
 def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, packed_cvt: bool = False, v_stages: int = 0,
+               varlen: bool = False, v_stages: int = 0,
                own_blocks: bool = False) -> dict:
     """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
     ``stages``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
     packed sequences."""
     from triflash.kernels.hopper import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt,
-                            v_stages=v_stages, own_blocks=own_blocks)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, v_stages=v_stages, own_blocks=own_blocks)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
                block_n=block_n, stages=stages)
     if v_stages:
@@ -239,8 +238,7 @@ def all_dq(dtypes=("bf16", "fp16")):
 
     def dq(d, c, dt, f, varlen=False):  # the tile as bwd.bwd launches it
         block_n, v_stages = Q.tile(c, varlen)
-        return compile_dq(d, dt, f, block_n, c.dq_stages, varlen=varlen, packed_cvt=c.packed_cvt,
-                          v_stages=v_stages, own_blocks=c.dq_own_blocks)
+        return compile_dq(d, dt, f, block_n, c.dq_stages, varlen=varlen, v_stages=v_stages, own_blocks=c.dq_own_blocks)
     return ([dq(d, c, dt, f) for d, c in tiles for dt in dtypes for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=True) for d, c in tiles for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=v) for d, c in padded if c.gluon_dq
@@ -248,10 +246,7 @@ def all_dq(dtypes=("bf16", "fp16")):
 
 
 def all_variants():
-    """Tile options the dispatch does not use, bf16: the one-at-a-time 16-bit conversions of
-    P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time)
-    in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
-    register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
+    """Tile options the dispatch does not use, bf16: the head-dim-256 dK/dV kernel with its
     ``timeline`` probe stamps (and the 128 dK/dV kernel with its per-step ones), and with K / V
     read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
@@ -267,24 +262,12 @@ def all_variants():
     from triflash.kernels import configs
     from triflash.kernels.hopper import bwd_dq as Q
     rows = []
-    for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=False)),
-                             packed_cvt=False))
     b256 = configs.SM90_HOPPER_BWD[256]
-    for f in ("plain", "causal", "window-softcap"):
-        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, packed_cvt=False,
-                                                                               tma_epilogue=False)),
-                         packed_cvt=False))
-    for d, c in sorted(configs.SM90_HOPPER_BWD.items()):
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False),
-                             packed_cvt=False))
     for d in (64, 128, 256):  # O rescaled before P V is issued (rescale_early)
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_FWD[d],
                                                                                 rescale_early=True)),
-                             packed_cvt=configs.SM90_HOPPER_FWD[d].packed_cvt, rescale_early=True))
+                             rescale_early=True))
     # the 64 / 128 dK/dV kernel with each dQ-order option flipped from its dispatched value:
     # the in-kernel dQ one block later (dq_lag) and dQ's wgmmas before dK's (dq_early)
     for opt in ("dq_lag", "dq_early"):
@@ -293,21 +276,19 @@ def all_variants():
             value = not getattr(c, opt)
             for f in ("plain", "causal"):
                 rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, **{opt: value})),
-                                 packed_cvt=c.packed_cvt, option=f"{opt}={int(value)}"))
+                                 option=f"{opt}={int(value)}"))
     for f in ("plain", "causal"):  # the head-dim-256 dQ kernel of a dense batch without dq_split_v
-        rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n, b256.dq_stages, packed_cvt=b256.packed_cvt),
-                         packed_cvt=b256.packed_cvt, option="dq_split_v=0"))
+        rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n, b256.dq_stages), option="dq_split_v=0"))
     for d in (128, 256):  # each consumer's own key blocks (dq_own_blocks), dense (256: 64-key tiles)
         c = configs.SM90_HOPPER_BWD[d]
         for f in ("causal", "window-softcap"):
             block_n, v_stages = Q.tile(c, False)
-            rows.append(dict(compile_dq(d, "bf16", f, block_n, c.dq_stages, packed_cvt=c.packed_cvt,
-                                        v_stages=v_stages, own_blocks=not c.dq_own_blocks),
-                             packed_cvt=c.packed_cvt, option=f"dq_own_blocks={int(not c.dq_own_blocks)}"))
+            rows.append(dict(compile_dq(d, "bf16", f, block_n, c.dq_stages, v_stages=v_stages,
+                                        own_blocks=not c.dq_own_blocks),
+                             option=f"dq_own_blocks={int(not c.dq_own_blocks)}"))
     for f in FEATURES:  # ... and of a varlen batch with it (dq_split_v_varlen)
-        rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
-                                    v_stages=1),
-                         packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
+        rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, v_stages=1),
+                         option="dq_split_v_varlen=1"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):
     # each row's max of S by a tree (tree_max), per-thread partial row
     # sums (sum_partial), and at 256 the stale
@@ -318,15 +299,13 @@ def all_variants():
         option = {name: configs.flipped(c, name)}
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),
-                             packed_cvt=c.packed_cvt, option=",".join(f"{k}={v}" for k, v in option.items())))
+                             option=",".join(f"{k}={v}" for k, v in option.items())))
     for f in ("plain", "causal"):
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
-                         packed_cvt=b256.packed_cvt, timeline=True))
+                         timeline=True))
         c = configs.SM90_HOPPER_BWD[128]  # the 64 / 128 kernel's per-step stamps
-        rows.append(dict(compile_bwd(128, "bf16", f, True, cfg=dataclasses.replace(c, timeline=True)),
-                         packed_cvt=c.packed_cvt))
-        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, reg_a=0)),
-                         packed_cvt=b256.packed_cvt, reg_a=0))
+        rows.append(compile_bwd(128, "bf16", f, True, cfg=dataclasses.replace(c, timeline=True)))
+        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, reg_a=0)), reg_a=0))
     return rows
 
 
@@ -370,7 +349,7 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
     ap.add_argument("--variants", action="store_true",
-                    help="tile options not dispatched (packed_cvt off, the timeline probe)")
+                    help="tile options not dispatched (each flipped from a tile's value, the timeline probe)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")

@@ -58,12 +58,8 @@ class HopperFwdConfig:
     # (Every tile: the consumers take turns issuing wgmmas, a round robin over three at 64,
     # on named barriers, ``hopper.fwd._take_turn``; without turns, or on mbarriers:
     # docs/performance.md.)
-    # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
-    # wgmma; the same values). On: off -> on in interleaved rounds
-    # (probes/probe-rounds-packed-8ce1f2a.json at fb45c0d) 64 464.1 -> 503.4 / 430.7 ->
-    # 451.6, 128 621.6 -> 639.3 / 575.9 -> 595.1, seed 649.8 -> 674.4 / 630.7 -> 645.3,
-    # 16x1024x16x128 536.9 -> 553.4 / 404.0 -> 420.7.
-    packed_cvt: bool = True
+    # (Every tile: P to 16 bits two at a time, ``hopper.common.to_16bit``; one at a time:
+    # docs/performance.md.)
     # (Not kept: ``exp2_emu``, one exponential in every 4 / 8 by a polynomial on the FMA
     # units instead of the MUFU, slower at every head dim: docs/performance.md.)
     # Q held in registers as the A operand of every S = Q K^T wgmma instead of read from
@@ -230,12 +226,8 @@ class HopperBwdConfig:
     # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
     # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
     ds_wg1: bool = False
-    # P^T and dS^T (dS in the dQ kernel) to 16 bits two at a time (hopper.common.to_16bit:
-    # no byte permutes before the wgmmas that read them from registers; the same values).
-    # On: fewer instructions, and within noise of off (off -> on,
-    # probes/bwd-probe-rounds-d{128,256}-8ce1f2a.json at fb45c0d: 2x8192x16x128 535.4 ->
-    # 535.6 / 495.1 -> 498.7, seed 435.3 -> 427.7 / 417.3 -> 418.3, rounds spread 419-438).
-    packed_cvt: bool = True
+    # (Every tile: P^T and dS^T (dS in the dQ kernel) to 16 bits two at a time,
+    # ``hopper.common.to_16bit``; one at a time: docs/performance.md.)
     # Head dim 256 only (dense batches): dK / dV out through each warpgroup's K / V half
     # tiles by TMA stores instead of register stores (off -> on with packed_cvt:
     # 16x1024x8x256 349.2 -> 363.9 / 268.8 -> 287.8, seed 427.7 -> 435.7 / 418.3 -> 410.9,

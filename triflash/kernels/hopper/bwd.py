@@ -92,7 +92,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               tma_batch, head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2,
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr,
+              ATOMIC_DQ: gl.constexpr, C: gl.constexpr,
               m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, TL=None, TIMELINE: gl.constexpr = 0,
               DQ_EARLY: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
@@ -152,7 +152,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         if HAS_LEFT:
             ok = ok & (diff >= len_k - len_q - window_left)
         p = gl.where(ok, p, 0.0)
-    p_op = gl.convert_layout(to_16bit(p, dtype, PACKED_CVT), op_layout)
+    p_op = gl.convert_layout(to_16bit(p, dtype), op_layout)
     if SOFTCAP:
         p = p * (1.0 - t * t)  # the softcap derivative, folded in before t dies
         mbarrier.wait(do_ready.index(stage), phase)
@@ -163,7 +163,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
     _step_stamp(TL, C, it, 2, TIMELINE)
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
-    ds = to_16bit(p * dp, dtype, PACKED_CVT)  # dS^T = P^T (dP^T - Delta)
+    ds = to_16bit(p * dp, dtype)  # dS^T = P^T (dP^T - Delta)
     _step_stamp(TL, C, it, 3, TIMELINE)
     if ATOMIC_DQ:
         if DQ_LAG:
@@ -367,7 +367,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
+                  C: gl.constexpr, HEAD_DIM: gl.constexpr,
                   REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
                   TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
@@ -412,7 +412,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
+                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C,
                                    m_min, m_max, DQ_LAG, TL, TIMELINE, DQ_EARLY)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
@@ -473,7 +473,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PACKED_CVT: gl.constexpr, REG_A: gl.constexpr,
+                      REG_A: gl.constexpr,
                       n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
                       TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
@@ -544,7 +544,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM,
                           REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
@@ -552,7 +552,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM,
                           REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
@@ -624,7 +624,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt,  # .., HEAD_DIM, PACKED_CVT
+            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1],  # .., HEAD_DIM
             cfg.reg_a_for(params.softcap),
             n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
             cfg.dq_lag and atomic_dq,  # DQ_LAG
@@ -767,7 +767,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
             with torch.cuda.stream(dq_side) if dq_side is not None else contextlib.nullcontext():
                 block_n, v_stages = bwd_dq.tile(cfg, pb.varlen)
                 bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, block_n,
-                              cfg.dq_stages, cfg.packed_cvt, v_stages=v_stages, own_blocks=cfg.dq_own_blocks)
+                              cfg.dq_stages, v_stages=v_stages, own_blocks=cfg.dq_own_blocks)
             if dq_side is not None:
                 torch.cuda.current_stream(q.device).wait_stream(dq_side)
             if dq_out is not dq:

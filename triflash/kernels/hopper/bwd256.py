@@ -67,7 +67,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr,
+               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr,
                TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr, REG_A: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). ``REG_A``
     (``configs.HopperBwdConfig.reg_a``): the first ``REG_A`` K halves in registers."""
@@ -123,7 +123,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     if HAS_LEFT:
                         ok = ok & (diff >= len_k - len_q - window_left)
                     p = gl.where(ok, p, 0.0)
-                p16 = to_16bit(p, dtype, PACKED_CVT)
+                p16 = to_16bit(p, dtype)
                 # P^T for WG1's half of dV (and its dS^T with DS_WG1)
                 mbarrier.wait(pt_free, x ^ 1)
                 pt_buf.store(p16)
@@ -145,7 +145,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     mbarrier.wait(dp_ready, x)
                     dp = dp_buf.load(s_layout)
                     mbarrier.arrive(dp_free)
-                    ds16 = to_16bit(p * dp, dtype, PACKED_CVT)
+                    ds16 = to_16bit(p * dp, dtype)
                     mbarrier.wait(ds_free, x ^ 1)
                     ds_buf.store(ds16)
                     fence_async_shared()
@@ -192,7 +192,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
-               PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
+               TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
                REG_A: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM)."""
@@ -224,7 +224,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
         if DS_WG1:
             mbarrier.wait(pt_ready, x)
             dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
-            ds16 = to_16bit(pt_buf.load(s_layout).to(gl.float32) * dp, dtype, PACKED_CVT)
+            ds16 = to_16bit(pt_buf.load(s_layout).to(gl.float32) * dp, dtype)
             mbarrier.wait(ds_free, x ^ 1)
             ds_buf.store(ds16)
             fence_async_shared()
@@ -314,7 +314,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
+                         TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
                          REG_A: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
@@ -372,12 +372,12 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE, TIMELINE, REG_A)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, TMA_EPILOGUE, TIMELINE, REG_A)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE, TIMELINE, REG_A)),
+                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, TMA_EPILOGUE, TIMELINE, REG_A)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -407,7 +407,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
             cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
-            cfg.packed_cvt, tma_epilogue, cfg.timeline, cfg.reg_a_for(params.softcap)]
+            tma_epilogue, cfg.timeline, cfg.reg_a_for(params.softcap)]
     return grid, args
 
 

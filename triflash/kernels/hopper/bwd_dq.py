@@ -75,7 +75,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
 def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready, kv_free, v_free, dq, lse, delta,
              rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right, seqlen_q,
              STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PACKED_CVT: gl.constexpr):
+             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
     """Key block ``n`` (ring slot ``it``); returns dq. Each wgmma is waited for inside the
     step (an async token cannot be carried through a loop); the two consumer warpgroups
     overlap each other's element-wise work and wgmmas."""
@@ -121,7 +121,7 @@ def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready
     ds = p * dp
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    ds_op = gl.convert_layout(to_16bit(ds, dtype, PACKED_CVT), op_layout)
+    ds_op = gl.convert_layout(to_16bit(ds, dtype), op_layout)
     dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
     if V_STAGES != 0:  # (here, not right after dP' retired: fewer registers live)
         mbarrier.arrive(v_free.index(it % V_STAGES))  # V of this step is no longer read
@@ -151,7 +151,7 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
                  STAGES: gl.constexpr, V_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
                  IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr, OWN_BLOCKS: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, OWN_BLOCKS: gl.constexpr):
     q_buf = q_bufs.index(CID)
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
@@ -197,7 +197,7 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
             dq = _dq_step(n - n_min, n, q_bufs, do_bufs, CID, k_ring, v_ring, kv_ready, kv_free, v_free,
                           dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
                           softcap_log2, window_left, window_right, seqlen_q,
-                          STAGES, V_STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT)
+                          STAGES, V_STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP)
     if OWN_BLOCKS and (HAS_LEFT or HAS_RIGHT):
         for n in range(bounds[3], n_max):
             _dq_skip(n - n_min, kv_ready, kv_free, v_free, STAGES, V_STAGES)
@@ -217,7 +217,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     PACKED_CVT: gl.constexpr, OWN_BLOCKS: gl.constexpr):
+                     OWN_BLOCKS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -256,14 +256,14 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT, OWN_BLOCKS)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, OWN_BLOCKS)),
          (_dq_consumer, (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready,
                          kv_free, v_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT, OWN_BLOCKS)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, OWN_BLOCKS)),
          (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                        kv_ready, kv_free, v_free, num_m_blocks, section_heads, nheads, nheads_kv,
                        seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -282,7 +282,7 @@ def tile(cfg, varlen):
 
 
 def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
-                loader_regs=24, consumer_regs=240, packed_cvt=False, v_stages=0, own_blocks=False):
+                loader_regs=24, consumer_regs=240, v_stages=0, own_blocks=False):
     """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
     views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
@@ -296,18 +296,18 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             stages, v_stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
             params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs, q.shape[-1],  # .., HEAD_DIM,
-            packed_cvt, own_blocks]
+            own_blocks]
     return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
-def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, packed_cvt=False, v_stages=0,
+def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, v_stages=0,
            own_blocks=False):
     """A dense batch launches through the plan of its signature (``common.planned_launch``),
     a varlen one builds its arguments every call."""
     def build():
-        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, packed_cvt=packed_cvt,
+        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages,
                            v_stages=v_stages, own_blocks=own_blocks)
     key = None if pb.varlen else (
         "dq", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), dq.stride(),
-        q.dtype, q.get_device(), params, block_n, stages, packed_cvt, v_stages, own_blocks, pb.seq_flags)
+        q.dtype, q.get_device(), params, block_n, stages, v_stages, own_blocks, pb.seq_flags)
     planned_launch(hopper_dq_kernel, key, (q, k, v, dout, dq, stat, delta), build)

@@ -39,22 +39,19 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def to_16bit(x, dtype: gl.constexpr, PACKED: gl.constexpr):
-    """fp32 ``x`` -> ``dtype`` (bf16 / fp16), round to nearest even. ``PACKED``: two at a time
+def to_16bit(x, dtype: gl.constexpr):
+    """fp32 ``x`` -> ``dtype`` (bf16 / fp16), round to nearest even, two at a time
     (``cvt.rn.{bf16,f16}x2.f32``, consecutive elements of a thread into one register, the
-    first in the low half): LLVM's one-at-a-time conversion comes out of ptxas as packs in
-    the wrong order plus two byte permutes (PRMT) per register when the result feeds a
+    first in the low half): LLVM's one-at-a-time ``x.to(dtype)`` comes out of ptxas as packs
+    in the wrong order plus two byte permutes (PRMT) per register when the result feeds a
     wgmma from registers (P in the forward: 576 PRMT at head dim 64, 384 at 128, 192 at 256;
-    none with ``PACKED``). The same values either way."""
-    if PACKED:
-        if dtype == gl.bfloat16:
-            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
-                                             dtype=gl.bfloat16, is_pure=True, pack=2)
-        else:
-            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
-                                             dtype=gl.float16, is_pure=True, pack=2)
+    none here). The same values either way (docs/performance.md, "Tried and not kept")."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
     else:
-        return x.to(dtype)
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                         dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit

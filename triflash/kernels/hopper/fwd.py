@@ -402,7 +402,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               qk_scale, softcap_log2, window_left, window_right,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PACKED_CVT: gl.constexpr,
+              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
               THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
               SUM_PARTIAL: gl.constexpr = False, SKIP: gl.constexpr = 0):
@@ -440,7 +440,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
         o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
-    p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
+    p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_prev.type.layout)
     return o_acc, m_i, l_i, p_prev, alpha
 
 
@@ -452,7 +452,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
@@ -523,7 +523,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                                                  window_left, window_right,
                                                  True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
                                                  SUM_PARTIAL)
-            p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
+            p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
             # own rows; unrolled: MASK is a compile-time constant per segment).
             r1 = gl.maximum(n_max - c_full_max, lead + 1)
@@ -539,7 +539,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, NUM_CONSUMERS,
-                        PACKED_CVT, alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SKIP)
+                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SKIP)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
@@ -602,7 +602,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       qk_scale, softcap_log2, window_left, window_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
@@ -657,7 +657,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
@@ -666,7 +666,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
@@ -675,7 +675,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
@@ -693,7 +693,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
@@ -702,7 +702,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
                           total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
@@ -762,7 +762,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
+            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
             threshold(cfg, params), cfg.tree_max, cfg.sum_partial, how == "pieces", rescale_skip(cfg, params)]
