@@ -91,8 +91,8 @@ HOPPER_FWD_SPILL_BUDGET = {
     # across the loop, 128 B, two spill loads per key block in two of its loops
     # (scripts/sass_loops.py fwd 256 plain)
     ("plain", 256): 192,
-    # the 256 tile with sum_partial and rescale_threshold (the warpgroup's min of alpha
-    # before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
+    # the 256 tile with sum_partial and the rescale threshold (O rescaled late, the per-warp
+    # vote before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
     # the KV-cache form (bf16 and fp16); window + softcap 144 B (budget above)
     ("causal", 256): 128,
 }
@@ -136,14 +136,11 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # without a mask: 256 spills nothing there), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
-# At 256 under the causal mask (not dispatched there: O is rescaled late under masks) with
-# the threshold decided per warp (warp_skip) 148 B.
+# At 256 under the causal mask (not dispatched there: O is rescaled late under masks) 148 B.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256, ("causal", 256): 160}
 # 128 plain, the persistent walk without the split tail's pieces (split_keys off): 484 B;
-# 256 causal with per-thread partial row sums (sum_partial) 88 B, with
-# rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
-# rescale; one spill store and load per key block in two of the four loops); 128 causal with
-# tree_max (off there) and the per-warp threshold (warp_skip) 28 B
+# 256 causal without per-thread partial row sums (sum_partial off) 88 B; 128 causal with
+# tree_max (off there) 28 B
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96, ("causal", 128): 32}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
@@ -171,7 +168,7 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers
     # 212 / 220 B (GPU tests passed; the varlen seed forward ran 0.946x the dense
     # one in c0c4f9a's benchmark, 0.953x in 5ae1b49's); with O's rescale decided per warp
-    # (warp_skip: the early rescale's branch over 128 values of O) 392 B, at 256
+    # (the early rescale's branch over 128 values of O) 392 B, at 256
     # and 192: the varlen seed forward 661.9 (3afe79e's run, 212 B) -> 675.7 (119238b's, 392 B),
     # 2x8192x8x256 665.4 -> 680.9
     ("plain", 256): 448,
@@ -179,7 +176,7 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
-    # (bf16), against 128 B at 256; with the 256 tile's sum_partial and rescale_threshold
+    # (bf16), against 128 B at 256; with the 256 tile's sum_partial and rescale threshold
     # under the causal mask 216 B at 256 and at 192
     ("causal", 256): 256,
     ("causal", 192): 256,
@@ -224,7 +221,7 @@ BUDGETS_BY_TRITON = {
         "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
         "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B (372 B dq_early=0)
         "HOPPER_BWD_TIMELINE_SPILL_BUDGET": {("causal", 128): 1600},  # 1572 B
-        "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 256): 160},  # 132 B (warp_skip off)
+        "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 256): 160},  # (an option row)
     },
 }
 for _name, _overlay in BUDGETS_BY_TRITON.get(triton_release(), {}).items():
@@ -350,11 +347,9 @@ def test_tile_variants_compile_for_sm90a():
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
     forward with each row's max of S by a tree
     (``tree_max``), with
-    per-thread partial row sums (``sum_partial``), and at 256 the stale running max
-    (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
-    one Q slot), at 128 / 256 the walk without the split tail (``split_keys``), and O's
-    rescale decided per warp (``warp_skip``): each flipped from its dispatched value
-    (``configs.flipped``)."""
+    per-thread partial row sums (``sum_partial``), and at 256 the persistent walk of unmasked
+    tiles (``persistent_unmasked``, one Q slot), at 128 / 256 the walk without the split tail
+    (``split_keys``): each flipped from its dispatched value (``configs.flipped``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     from tools import compile_check
@@ -382,8 +377,7 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if r.get("option", "").startswith(("sum_partial", "rescale_threshold", "split_keys", "warp_skip",
-                                                 "tree_max")):
+            if r.get("option", "").startswith(("sum_partial", "split_keys", "tree_max")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET

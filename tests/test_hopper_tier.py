@@ -203,37 +203,6 @@ def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatc
         assert torch.equal(a, b), name
 
 
-# ``warp_skip`` against the same tile without it, at the same effective threshold: 0 (every
-# head dim, every mask: O skipped only where no row of the warp raised its max) and 8.0 at
-# 256 under masks (O rescaled late there, the dispatched tile's rule decided per warpgroup).
-WARP_SKIP_SAME_BITS = [(d, 0.0, m) for d in (64, 128, 192, 256) for m in MASKS] + [
-    (256, 8.0, m) for m in MASKS if m != "none"]
-
-
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("d,threshold,mask", WARP_SKIP_SAME_BITS, ids=lambda x: str(x))
-@pytest.mark.option
-def test_hopper_fwd_warp_skip_same_bits(d, threshold, mask, shape, monkeypatch):
-    """``warp_skip`` (each warp votes on its own 16 rows' alpha and branches around its O
-    multiplies, inline PTX) skips only multiplies by exactly 1: out and lse keep the bits of
-    the same tile multiplying every block (threshold 0) or deciding per warpgroup (8.0).
-    Dense tiles of every walk and a varlen batch."""
-    import dataclasses
-    from triflash.kernels import configs
-    from triflash.kernels.hopper.common import kernel_head_dim
-    w = kernel_head_dim(d)
-    base = dataclasses.replace(configs.SM90_HOPPER_FWD[w], rescale_threshold=threshold, warp_skip=False)
-    if threshold > 0:
-        assert not base.rescale_early  # (8.0 applies late: under masks at 256)
-    _, _, _, run = _fwd_dense_and_varlen(d, mask, shape, d + shape[0])
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, base)
-    expected = run()
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(base, warp_skip=True))
-    for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), expected, run()):
-        assert torch.equal(a, b), name
-
-
 @pytest.mark.parametrize("shape", [(777, 2048, 8, 4), (2048, 1537, 4, 4), (1000, 1000, 16, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -268,16 +237,12 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 # previous block's factor before P V is issued; dispatched at 64 / 128, at 256 without a
 # mask: here at every tile and mask), and flipped from the
 # dispatched value (configs.flipped): ``sum_partial`` (each row's running sum kept as
-# per-thread partials, added across the quad once per tile) and ``rescale_threshold`` at
-# 192 / 256 (a row's stale max kept below a rise of 8); ``split_keys`` 2; ``warp_skip`` (O's
-# rescale decided per warp; at 256 with the tile's threshold 8.0 in the early rescale too).
+# per-thread partials, added across the quad once per tile); ``split_keys`` 2.
 FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
-    ((o, _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], o)), d)
-    for o, dims in (("sum_partial", (64, 128, 192, 256)), ("rescale_threshold", (192, 256))) for d in dims] + [
-    (("split_keys", 2), d) for d in (64, 128, 192, 256)] + [
-    (("warp_skip", _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], "warp_skip")), d)
-    for d in (64, 128, 192, 256)]
-# (rescale_threshold applies where O is rescaled late: under masks; split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
+    (("sum_partial", _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], "sum_partial")), d)
+    for d in (64, 128, 192, 256)] + [
+    (("split_keys", 2), d) for d in (64, 128, 192, 256)]
+# (split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
 # merged, hopper.split_combine, at every shape here but 1 x 1 (one key block per tile))
 
 
@@ -359,15 +324,15 @@ def test_hopper_fwd_split_keys(d, b, sq, sk, h, hk, softcap, dtype, monkeypatch)
 @pytest.mark.parametrize("sk", [1000, 4096])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("when", ["late", "early-warp_skip"])
+@pytest.mark.parametrize("when", ["late", "early"])
 @pytest.mark.option
 def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch):
-    """``rescale_threshold`` (dispatched at 256, where O is rescaled after P V: under masks;
-    here at every tile, with O rescaled after P V, or before P V is issued with the
-    decision per warp, ``warp_skip``): scores whose row maxima rise by far
-    more than the threshold from block to block (queries scaled up, every key's norm drawn
-    between 0.05 and 4), so rows both keep a stale max and replace it, in blocks visited in
-    every order; against the fp32 reference."""
+    """``hopper.fwd.RESCALE_THRESHOLD`` (a row's stale max kept below a rise of 8, O's
+    rescale skipped per warp), with O rescaled after P V (``rescale_early`` off, dispatched at
+    256 under masks) or before P V is issued, at every tile: scores whose row maxima rise
+    by far more than the threshold from block to block (queries scaled up, every key's norm
+    drawn between 0.05 and 4), so rows both keep a stale max and replace it, in blocks
+    visited in every order; against the fp32 reference."""
     import dataclasses
     from triflash.kernels import configs
     causal, window, softcap = MASKS[mask]
@@ -376,10 +341,8 @@ def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch)
     norms = 0.05 + 3.95 * torch.rand(2, sk, 1, 1, device="cuda", generator=g)
     k = (torch.randn(2, sk, 2, d, device="cuda", generator=g) * norms).to(torch.bfloat16)
     v = torch.randn(2, sk, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    early = when == "early-warp_skip"
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(
-        configs.SM90_HOPPER_FWD[d], rescale_threshold=8.0, rescale_early=early, rescale_early_unmasked=False,
-        warp_skip=early))
+        configs.SM90_HOPPER_FWD[d], rescale_early=when == "early", rescale_early_unmasked=False))
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     with triflash.force_backend("hopper"):
         out, lse, *_ = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)

@@ -291,9 +291,8 @@ def all_variants():
                          option="dq_split_v_varlen=1"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):
     # each row's max of S by a tree (tree_max), per-thread partial row
-    # sums (sum_partial), and at 256 the stale
-    # running max (rescale_threshold) and the persistent walk of unmasked tiles with one Q
-    # slot (persistent_unmasked); O's rescale decided per warp (warp_skip)
+    # sums (sum_partial), at 256 the persistent walk of unmasked tiles with one Q slot
+    # (persistent_unmasked), at 128 / 256 the walk without the split tail (split_keys)
     for d, name in FWD_FLIPPED:
         c = configs.SM90_HOPPER_FWD[d]
         option = {name: configs.flipped(c, name)}
@@ -321,8 +320,7 @@ def code_of(ptx: str) -> str:
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
 FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "sum_partial"))) + (
-    (256, "rescale_threshold"), (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys")) + tuple(
-    (d, "warp_skip") for d in (64, 128, 256))
+    (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys"))
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:

@@ -102,31 +102,10 @@ class HopperFwdConfig:
     # 674.1 / 650.2 -> 644.8, then 670.6 -> 681.2 / 638.5 -> 633.9,
     # probes/probe-rounds-{23cee87,ac47225}.json at fb45c0d). Dispatched at 256.
     rescale_early_unmasked: bool = False
-    # A row keeps its running max unless a block raises it by more than this many log2 units
-    # (0: the exact running max, every block rescales O): its p are then at most 2^threshold
-    # and its alpha exactly 1, and O is rescaled only where some row of the warpgroup's 64
-    # needs it (``hopper.fwd._rescale``; FA4's 8.0 on Blackwell). After the first blocks a
-    # row's max rarely rises by 8, so most blocks skip the 64 x D multiply (128 FMULs per
-    # thread at 256).
-    # Only where O is rescaled after P V retires (not ``rescale_early``), unless decided per
-    # warp (``warp_skip``): the warpgroup-wide min between S's issue and P V's costs more
-    # than it saves there.
-    # Measured (off -> 8.0, beside cuDNN, probes/probe-rounds-6393090.json at fb45c0d): seed
-    # causal (late rescale) 651.8 -> 670.1, every round above; with the early rescale seed
-    # non-causal 679.8 -> 639.5, 128 640.0 -> 640.6 / 613.3 -> 608.3, 64 516.7 -> 451.0 /
-    # 493.9 -> 447.6. Dispatched: 8.0 at 64 / 128 / 256, with ``warp_skip``.
-    rescale_threshold: float = 0.0
-    # ``_rescale``'s decision per warp instead of per warpgroup: each warp holds 16 of the
-    # warpgroup's 64 rows of O, so a ``vote.any`` over its rows' alpha != 1 and a uniform
-    # branch around its own multiplies (inline PTX, ``hopper.fwd._rescale_warp``) skip O
-    # with no cross-warp reduction (the warpgroup-wide min: two BAR.SYNC per key block). It
-    # applies with the early rescale too, and with the exact running max (threshold 0) O
-    # is skipped where no row of the warp raised its max (alpha = exp2(0) = 1): the same
-    # bits as the unconditional multiply. Measured (off -> on -> on with the threshold 8.0,
-    # probes/probe-rounds-0919854.json at fb45c0d): 64 517.9 -> 521.4 -> 534.2 / 494.3 ->
-    # 494.9 -> 496.5, 128 646.9 -> 637.0 -> 654.1 / 615.8 -> 600.8 -> 623.7, seed (threshold
-    # 8.0 in both) 694.9 -> 722.0 / 674.1 -> 685.4. Dispatched with 8.0 at 64 / 128 / 256.
-    warp_skip: bool = False
+    # (Every tile: a row's running max kept until a block raises it by more than
+    # ``hopper.fwd.RESCALE_THRESHOLD`` = 8, and O's rescale skipped per warp where its rows'
+    # alpha are all 1, ``hopper.fwd._rescale``; threshold 0, or every block multiplying O, or
+    # the decision per warpgroup: docs/performance.md.)
     # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
     # one FMNMX chain through all of the thread's 32 (128 keys) or 16 columns of the row,
@@ -379,30 +358,22 @@ SM90_HOPPER_FWD = {
     # at 128 / 256 (probes/probe-rounds-95960bf.json at fb45c0d); the split tail at 128 / 256
     # (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d: 2x8192x16x128
     # 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
-    # 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there); O's rescale decided per
-    # warp (warp_skip) with the threshold 8.0 at every head dim
-    # (probes/probe-rounds-0919854.json at fb45c0d: 2x8192x32x64 517.9 -> 534.2,
-    # 2x8192x16x128 646.9 -> 654.1 / 615.8 -> 623.7, seed 694.9 -> 721.2 / 674.1 -> 676.1).
+    # 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there).
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True, tree_max=True,
-                        sum_partial=True, rescale_threshold=8.0, warp_skip=True),
+                        rescale_early=True, tree_max=True, sum_partial=True),
     128: HopperFwdConfig(block_n=128, stages=2, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
-                         sum_partial=True, split_keys=1, rescale_threshold=8.0, warp_skip=True),
+                         sum_partial=True, split_keys=1),
     256: HopperFwdConfig(block_n=64, stages=2, persistent_masked=True,
-                         rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True,
-                         split_keys=1, warp_skip=True),
+                         rescale_early_unmasked=True, sum_partial=True, split_keys=1),
 }
 
 
 def flipped(cfg, name):
     """``cfg``'s option ``name`` flipped, for the tests and compile rows of the options
-    against the dispatched tile: a flag negated, ``rescale_threshold`` 0.0 <-> 8.0,
-    ``split_keys`` 0 <-> 1."""
+    against the dispatched tile: a flag negated, ``split_keys`` 0 <-> 1."""
     value = getattr(cfg, name)
-    if name == "rescale_threshold":
-        return 8.0 if value == 0.0 else 0.0
     if name == "split_keys":
         return 0 if value else 1
     return not value

@@ -55,6 +55,12 @@ from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, 
 from .split_combine import combine_args, split_combine_kernel
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
+# A row's running max is kept until a key block raises it by more than this (log2 units; FA4's
+# Blackwell rule): most blocks then leave every alpha at 1 and skip O's rescale (``_rescale``).
+# Measured (five interleaved rounds, probes/probe-rounds-0919854.json at fb45c0d): off -> 8.0,
+# both with the per-warp skip, 64 521.4 -> 534.2, 128 637.0 -> 654.1 / 600.8 -> 623.7.
+RESCALE_THRESHOLD = 8.0
+_THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
 
 
 @gluon.jit
@@ -232,15 +238,15 @@ def _row_max(s, TREE: gl.constexpr):
 @gluon.jit
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, THRESHOLD: gl.constexpr = 0.0,
-                    TREE_MAX: gl.constexpr = False, SUM_PARTIAL: gl.constexpr = False):
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, TREE_MAX: gl.constexpr = False,
+                    SUM_PARTIAL: gl.constexpr = False):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
     each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
-    ``THRESHOLD`` > 0 (``HopperFwdConfig.rescale_threshold``): a row keeps its running max
-    unless the block raises it by more than that (log2 units; its p are then at most
-    2^THRESHOLD, as exact in fp32 and 16 bits as below 1), so its alpha is exactly 1 and
-    ``_rescale`` can skip O; a row that has seen nothing (O and l are 0) gets alpha 1 too."""
+    A row keeps its running max unless the block raises it by more than ``RESCALE_THRESHOLD``
+    (log2 units; its p are then at most 2^8, as exact in fp32 and 16 bits as below 1), so its
+    alpha is exactly 1 and ``_rescale`` can skip O; a row that has seen nothing (O and l are
+    0) gets alpha 1 too."""
     if SOFTCAP:
         s = scores(s, qk_scale, softcap_log2, SOFTCAP)  # already log2-scaled
     if MASK:
@@ -250,8 +256,7 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
         m_new = gl.maximum(m_i, _row_max(s, TREE_MAX))
     else:
         m_new = gl.maximum(m_i, _row_max(s, TREE_MAX) * qk_scale)
-    if THRESHOLD > 0:
-        m_new = gl.where(m_new - m_i > THRESHOLD, m_new, m_i)  # (-inf - -inf is NaN: kept)
+    m_new = gl.where(m_new - m_i > _THRESHOLD, m_new, m_i)  # (-inf - -inf is NaN: kept)
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
     else:
@@ -261,7 +266,7 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
     else:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    if THRESHOLD > 0 and MASK:
+    if MASK:
         alpha = gl.where(m_i == float("-inf"), 1.0, alpha)
     if SUM_PARTIAL:  # l_i: [BM, 8] per-thread partial sums (``_l_init``)
         part = _partial_sums(p)
@@ -293,24 +298,17 @@ _WARP_SKIP_ASM, _WARP_SKIP_CONSTRAINTS = (gl.constexpr(t) for t in zip(*(_warp_s
 
 
 @gluon.jit
-def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP: gl.constexpr):
-    """O scaled by the rows' alpha. ``SKIP`` 0: always; 1 (``rescale_threshold``): not at all
-    where every alpha of the warpgroup's 64 rows is 1 (a warpgroup-wide min); 2
-    (``warp_skip``): each warp skips its own 16 rows where their alpha are all 1 (inline PTX,
-    ``_warp_skip_ptx``). Skipping multiplies by exactly 1: the same bits either way."""
-    if SKIP == 2:
-        DV: gl.constexpr = o_acc.shape[1]
-        gl.static_assert(o_acc.shape[0] == 64 and (DV == 64 or DV == 128 or DV == 256),
-                         "one warpgroup's 64 rows of O, 64 / 128 / 256 columns")
-        a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        o_acc = gl.inline_asm_elementwise(_WARP_SKIP_ASM[DV // 128], _WARP_SKIP_CONSTRAINTS[DV // 128],
-                                          [o_acc, a], dtype=gl.float32, is_pure=False, pack=DV // 2)
-    elif SKIP == 1:
-        if gl.min(alpha, 0) < 1.0:
-            o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    else:
-        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    return o_acc
+def _rescale(o_acc, alpha, o_layout: gl.constexpr):
+    """O scaled by the rows' alpha, decided per warp: each warp skips its own 16 rows where
+    their alpha are all 1 (inline PTX, ``_warp_skip_ptx``; no cross-warp reduction).
+    Skipping multiplies by exactly 1: the same bits either way. (Every block multiplying,
+    or the decision per warpgroup: docs/performance.md, "Tried and not kept".)"""
+    DV: gl.constexpr = o_acc.shape[1]
+    gl.static_assert(o_acc.shape[0] == 64 and (DV == 64 or DV == 128 or DV == 256),
+                     "one warpgroup's 64 rows of O, 64 / 128 / 256 columns")
+    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return gl.inline_asm_elementwise(_WARP_SKIP_ASM[DV // 128], _WARP_SKIP_CONSTRAINTS[DV // 128],
+                                     [o_acc, a], dtype=gl.float32, is_pure=False, pack=DV // 2)
 
 
 # The consumers' turns at issuing wgmmas (FA3 / FA4's warp scheduler barriers) are named
@@ -404,8 +402,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
-              THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False, SKIP: gl.constexpr = 0):
+              TREE_MAX: gl.constexpr = False, SUM_PARTIAL: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
@@ -425,7 +422,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     if RESCALE_EARLY:
-        o_acc = _rescale(o_acc, alpha_prev, o_layout, SKIP)
+        o_acc = _rescale(o_acc, alpha_prev, o_layout)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
     _pass_turn(CID, NUM_CONSUMERS)
@@ -434,12 +431,12 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
-                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX,
                                          SUM_PARTIAL)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
-        o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
+        o_acc = _rescale(o_acc, alpha, o_layout)
     p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_prev.type.layout)
     return o_acc, m_i, l_i, p_prev, alpha
 
@@ -455,9 +452,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
-                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr,
-                  SKIP: gl.constexpr):
+                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
+                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -521,7 +517,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
-                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX,
                                                  SUM_PARTIAL)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
@@ -539,10 +535,10 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, NUM_CONSUMERS,
-                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SKIP)
+                        alpha, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
-                o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
+                o_acc = _rescale(o_acc, alpha, o_layout)
             g_last = kv_base + end - 1
             last = g_last % STAGES
             _take_turn(CID)
@@ -607,8 +603,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                       OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-                      THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr,
-                      PIECES: gl.constexpr, SKIP: gl.constexpr):
+                      TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -659,7 +654,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -668,7 +663,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -677,7 +672,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -695,7 +690,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -704,7 +699,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -765,7 +760,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
-            threshold(cfg, params), cfg.tree_max, cfg.sum_partial, how == "pieces", rescale_skip(cfg, params)]
+            cfg.tree_max, cfg.sum_partial, how == "pieces"]
     return grid, args
 
 
@@ -775,19 +770,6 @@ def rescale_early(cfg, params) -> bool:
     mask and no softcap."""
     plain = params.window_left < 0 and params.window_right < 0 and params.softcap == 0.0
     return cfg.rescale_early or (cfg.rescale_early_unmasked and plain)
-
-
-def threshold(cfg, params) -> float:
-    """``THRESHOLD``: ``rescale_threshold`` where O is rescaled late or per warp
-    (``warp_skip``); with the early rescale the warpgroup-wide test costs more than it
-    saves (configs.HopperFwdConfig.rescale_threshold), so 0 there."""
-    return float(cfg.rescale_threshold) if cfg.warp_skip or not rescale_early(cfg, params) else 0.0
-
-
-def rescale_skip(cfg, params) -> int:
-    """``SKIP`` of ``_rescale``: 2 per warp (``warp_skip``), 1 per warpgroup where a
-    threshold applies, else 0 (every block multiplies O)."""
-    return 2 if cfg.warp_skip else int(threshold(cfg, params) > 0)
 
 
 def walk(cfg, params, pb, num_tiles) -> str:
