@@ -80,7 +80,7 @@ HOPPER_FWD_SPILL_BUDGET = {
     # head dim 128 holds Q in registers (``q_regs``, dispatched): the persistent two-Q-slot
     # walk of the plain tile keeps more addresses live next to it (372 B measured, bf16 and
     # fp16; causal and window + softcap 0 B), and ran as fast as Q from shared memory
-    # (configs.HopperFwdConfig.q_regs); with per-thread partial row sums (sum_partial) 404 B;
+    # (configs.HopperFwdConfig.q_regs); with per-thread partial row sums 404 B;
     # with the turns on named barriers 484 B, two spill stores and loads per key block in two
     # of its loops, and 0.4% faster non-causal in five rounds than on mbarriers
     # (`benchmarks/results/probes/probe-rounds-named1.json` at fb45c0d); the
@@ -91,7 +91,7 @@ HOPPER_FWD_SPILL_BUDGET = {
     # across the loop, 128 B, two spill loads per key block in two of its loops
     # (scripts/sass_loops.py fwd 256 plain)
     ("plain", 256): 192,
-    # the 256 tile with sum_partial and the rescale threshold (O rescaled late, the per-warp
+    # the 256 tile with per-thread partial row sums and the rescale threshold (O rescaled late, the per-warp
     # vote before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
     # the KV-cache form (bf16 and fp16); window + softcap 144 B (budget above)
     ("causal", 256): 128,
@@ -139,8 +139,7 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # At 256 under the causal mask (not dispatched there: O is rescaled late under masks) 148 B.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256, ("causal", 256): 160}
 # 128 plain, the persistent walk without the split tail's pieces (split_keys off): 484 B;
-# 256 causal without per-thread partial row sums (sum_partial off) 88 B; 128 causal with
-# tree_max (off there) 28 B
+# 128 causal with tree_max (off there) 28 B
 HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96, ("causal", 128): 32}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
@@ -176,7 +175,7 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
-    # (bf16), against 128 B at 256; with the 256 tile's sum_partial and rescale threshold
+    # (bf16), against 128 B at 256; with the 256 tile's partial row sums and rescale threshold
     # under the causal mask 216 B at 256 and at 192
     ("causal", 256): 256,
     ("causal", 192): 256,
@@ -346,8 +345,7 @@ def test_tile_variants_compile_for_sm90a():
     above compile them in every form.) The 64 / 128
     dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
     forward with each row's max of S by a tree
-    (``tree_max``), with
-    per-thread partial row sums (``sum_partial``), and at 256 the persistent walk of unmasked
+    (``tree_max``), and at 256 the persistent walk of unmasked
     tiles (``persistent_unmasked``, one Q slot), at 128 / 256 the walk without the split tail
     (``split_keys``): each flipped from its dispatched value (``configs.flipped``)."""
     from triflash.kernels import configs
@@ -377,7 +375,7 @@ def test_tile_variants_compile_for_sm90a():
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if r.get("option", "").startswith(("sum_partial", "split_keys", "tree_max")):
+            if r.get("option", "").startswith(("split_keys", "tree_max")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET

@@ -235,12 +235,8 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 
 # Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
 # previous block's factor before P V is issued; dispatched at 64 / 128, at 256 without a
-# mask: here at every tile and mask), and flipped from the
-# dispatched value (configs.flipped): ``sum_partial`` (each row's running sum kept as
-# per-thread partials, added across the quad once per tile); ``split_keys`` 2.
+# mask: here at every tile and mask), and ``split_keys`` 2.
 FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
-    (("sum_partial", _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], "sum_partial")), d)
-    for d in (64, 128, 192, 256)] + [
     (("split_keys", 2), d) for d in (64, 128, 192, 256)]
 # (split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
 # merged, hopper.split_combine, at every shape here but 1 x 1 (one key block per tile))

@@ -255,8 +255,7 @@ def all_variants():
     key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
     and V's slots (``dq_split_v`` off) and of a varlen batch with 64-key ones
     (``dq_split_v_varlen``), and the forward rescaling O before P V
-    (``rescale_early``), with its row max by a tree (``tree_max``) and
-    per-thread partial row sums (``sum_partial``)."""
+    (``rescale_early``) and with its row max by a tree (``tree_max``)."""
     import dataclasses
 
     from triflash.kernels import configs
@@ -290,8 +289,7 @@ def all_variants():
         rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, v_stages=1),
                          option="dq_split_v_varlen=1"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):
-    # each row's max of S by a tree (tree_max), per-thread partial row
-    # sums (sum_partial), at 256 the persistent walk of unmasked tiles with one Q slot
+    # each row's max of S by a tree (tree_max), at 256 the persistent walk of unmasked tiles with one Q slot
     # (persistent_unmasked), at 128 / 256 the walk without the split tail (split_keys)
     for d, name in FWD_FLIPPED:
         c = configs.SM90_HOPPER_FWD[d]
@@ -319,7 +317,7 @@ def code_of(ptx: str) -> str:
 
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
-FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "sum_partial"))) + (
+FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max",))) + (
     (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys"))
 
 

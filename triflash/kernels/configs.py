@@ -112,16 +112,12 @@ class HopperFwdConfig:
     # whose latency sits between S's wait and the first exponential (FA4 keeps 4 chains).
     # The same maxima, bit for bit. Alone (off -> on, probes/probe-rounds-95960bf.json at
     # fb45c0d): 64 510.6 -> 513.1 / 484.7 -> 492.0, 128 642.7 -> 638.6 / 602.5 -> 612.2,
-    # seed 694.0 -> 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD (with sum_partial and
-    # the round-robin turns).
+    # seed 694.0 -> 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD (with the per-thread
+    # partial row sums and the round-robin turns).
     tree_max: bool = False
-    # Each row's running sum l kept as per-thread partial sums over the thread's own columns
-    # (a tree, no shuffles) and added across the quad once per tile, not every block (FA4's
-    # Hopper softmax): two shuffles and two adds fewer per row and block, other rounding.
-    # Measured (off -> on, probes/probe-rounds-95960bf.json at fb45c0d): seed 694.0 -> 693.6
-    # / 667.7 -> 675.4, 128 642.7 -> 648.6 / 602.5 -> 611.1, 64 510.6 -> 520.2 / 484.7 ->
-    # 475.7. Dispatched at 64 / 128 / 256.
-    sum_partial: bool = False
+    # (Every tile: each row's running sum l kept as per-thread partial sums and added across
+    # the quad once per tile, ``hopper.fwd._partial_sums``; every block's sum across the
+    # quad: docs/performance.md.)
     # (Not kept, slower though the outputs were the same bits: ``thread_arrives``, every
     # consumer thread arriving on the K / V free and turn barriers (4 -> 2 BAR.SYNC per key
     # block), and ``pv_overlap``, a basic-block split that keeps the exponentials under the
@@ -354,19 +350,19 @@ SM90_BWD = {
 #     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
-    # Beyond the tiles: tree_max, sum_partial and the round robin of turns at 64, sum_partial
-    # at 128 / 256 (probes/probe-rounds-95960bf.json at fb45c0d); the split tail at 128 / 256
+    # Beyond the tiles: tree_max at 64 (probes/probe-rounds-95960bf.json at fb45c0d); the split
+    # tail at 128 / 256
     # (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d: 2x8192x16x128
     # 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
     # 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there).
     64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
                         persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True, tree_max=True, sum_partial=True),
+                        rescale_early=True, tree_max=True),
     128: HopperFwdConfig(block_n=128, stages=2, persistent_unmasked=True,
                          persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
-                         sum_partial=True, split_keys=1),
+                         split_keys=1),
     256: HopperFwdConfig(block_n=64, stages=2, persistent_masked=True,
-                         rescale_early_unmasked=True, sum_partial=True, split_keys=1),
+                         rescale_early_unmasked=True, split_keys=1),
 }
 
 

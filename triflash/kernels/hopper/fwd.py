@@ -197,28 +197,24 @@ def _fold8(x, ADD: gl.constexpr):
 
 @gluon.jit
 def _partial_sums(p):
-    """[M, N] -> [M, 8] per-thread partial row sums (``HopperFwdConfig.sum_partial``;
-    ``_row_sum`` adds the 8 at the end)."""
+    """[M, N] -> [M, 8] per-thread partial row sums over the thread's own columns (a tree,
+    no shuffles; ``_row_sum`` adds the 8 across the quad at the end of the tile, FA4's Hopper
+    softmax: two shuffles and two adds fewer per row and key block. Each block's sum across
+    the quad instead: docs/performance.md, "Tried and not kept")."""
     return _fold8(p, True)
 
 
 @gluon.jit
-def _l_init(BM: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, PARTIAL: gl.constexpr):
-    """The running row sums l at 0: [BM] per row, or with ``PARTIAL`` [BM, 8] per-thread
-    partial sums (the layout ``_partial_sums`` leaves)."""
-    if PARTIAL:
-        return _partial_sums(gl.zeros([BM, BLOCK_N], gl.float32, s_layout))
-    else:
-        return gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
+def _l_init(BM: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The running row sums l at 0: [BM, 8] per-thread partial sums (the layout
+    ``_partial_sums`` leaves)."""
+    return _partial_sums(gl.zeros([BM, BLOCK_N], gl.float32, s_layout))
 
 
 @gluon.jit
-def _row_sum(l, row_layout: gl.constexpr, PARTIAL: gl.constexpr):
+def _row_sum(l, row_layout: gl.constexpr):
     """The rows' l from the running sums (``_l_init``): the quad's shuffles once per tile."""
-    if PARTIAL:
-        return gl.convert_layout(gl.sum(l, 1), row_layout)
-    else:
-        return l
+    return gl.convert_layout(gl.sum(l, 1), row_layout)
 
 
 @gluon.jit
@@ -238,8 +234,7 @@ def _row_max(s, TREE: gl.constexpr):
 @gluon.jit
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, TREE_MAX: gl.constexpr = False,
-                    SUM_PARTIAL: gl.constexpr = False):
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, TREE_MAX: gl.constexpr = False):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
     each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
@@ -268,11 +263,8 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
     alpha = gl.exp2(m_i - m_use)
     if MASK:
         alpha = gl.where(m_i == float("-inf"), 1.0, alpha)
-    if SUM_PARTIAL:  # l_i: [BM, 8] per-thread partial sums (``_l_init``)
-        part = _partial_sums(p)
-        l_new = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)), 1) + part
-    else:
-        l_new = l_i * alpha + gl.sum(p, 1)
+    part = _partial_sums(p)  # l_i: [BM, 8] per-thread partial sums (``_l_init``)
+    l_new = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)), 1) + part
     return p, alpha, m_new, l_new
 
 
@@ -402,7 +394,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
-              TREE_MAX: gl.constexpr = False, SUM_PARTIAL: gl.constexpr = False):
+              TREE_MAX: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
@@ -431,8 +423,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
-                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX,
-                                         SUM_PARTIAL)
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
@@ -453,7 +444,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                   OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr):
+                  TREE_MAX: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -479,7 +470,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         row_start = row0 + CID * BM
         rows = row_start + gl.arange(0, BM, layout=row_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
-        l_i = _l_init(BM, BLOCK_N, s_layout, SUM_PARTIAL)
+        l_i = _l_init(BM, BLOCK_N, s_layout)
         o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
         slot, use = _q_slot(local, Q_SLOTS)
         q_buf = q_bufs.index(slot * NUM_CONSUMERS + CID)
@@ -517,8 +508,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
-                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX,
-                                                 SUM_PARTIAL)
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
             # own rows; unrolled: MASK is a compile-time constant per segment).
@@ -535,7 +525,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                         v_free, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
                         BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, NUM_CONSUMERS,
-                        alpha, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL)
+                        alpha, RESCALE_EARLY, TREE_MAX)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout)
@@ -558,7 +548,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         kv_base += count
 
         # A row that saw no key: output 0, lse = -inf (never NaN).
-        l_row = _row_sum(l_i, row_layout, SUM_PARTIAL)
+        l_row = _row_sum(l_i, row_layout)
         seen = l_row > 0.0
         l_safe = gl.where(seen, l_row, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -603,7 +593,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                       OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-                      TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr):
+                      TREE_MAX: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -654,7 +644,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -663,7 +653,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -672,7 +662,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -690,7 +680,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
@@ -699,7 +689,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, SUM_PARTIAL, PIECES)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
                         num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
@@ -760,7 +750,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
             q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
-            cfg.tree_max, cfg.sum_partial, how == "pieces"]
+            cfg.tree_max, how == "pieces"]
     return grid, args
 
 
