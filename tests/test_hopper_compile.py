@@ -189,7 +189,7 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # sectioned launch order (common.launch_order) added its divisions. Varlen keeps the
 # sequence's starts and lengths live on top: causal 404 B; window + softcap (bounds and tanh
 # temporaries as well) 1960 B, a rare combination whose speed is not measured.
-# Causal on persistent CTAs (persistent_masked, two Q slots, the schedule's walk): 336 B
+# Causal on persistent CTAs (two Q slots, the schedule's walk): 336 B
 # (bf16 and fp16, 7c818c1), and 1.6-3.1% faster than one CTA per tile
 # (configs.SM90_HOPPER_FWD); window + softcap there spills nothing.
 # With each consumer keeping its own key-block range (own_blocks, dispatched at 64) none of
@@ -251,20 +251,19 @@ def test_hopper_forward_compiles_for_sm90a():
     assert {r["headdim"] for r in rows if r.get("kvcache")} == every
     # persistent CTAs (with the tile's Q slots) exactly where the dispatch asks for them
     # (fwd.walk): dense batches, unmasked at the head dims whose tile says persistent_unmasked,
-    # causal / window on the host's schedule where it says persistent_masked
+    # causal / window on the host's schedule at every head dim
     # (a padded head dim, 96 or 192, runs the tile of the width it is computed at)
     tiles = configs.SM90_HOPPER_FWD
     rows = [dict(r, headdim=kernel_head_dim(r["headdim"]), real=r["headdim"]) for r in rows]
     assert {(r["headdim"], r["feature"], bool(r.get("varlen") or r.get("kvcache")))
             for r in rows if r["q_slots"] == 2} == (
         {(d, "plain", False) for d, c in tiles.items() if c.persistent_unmasked and c.q_slots == 2}
-        | {(d, f, False) for d, c in tiles.items() if c.persistent_masked and c.q_slots == 2
-           for f in ("causal", "window-softcap")})
+        | {(d, f, False) for d, c in tiles.items() if c.q_slots == 2 for f in ("causal", "window-softcap")})
     # (and without a mask the walk of the split tail's table where it says split_keys)
     assert {(r["headdim"], r["feature"]) for r in rows if r["pieces"]} == {
         (d, "plain") for d, c in tiles.items() if c.split_keys}
     assert {(r["headdim"], r["feature"]) for r in rows if r["scheduled"]} == {
-        (d, f) for d, c in tiles.items() if c.persistent_masked for f in ("causal", "window-softcap")} | {
+        (d, f) for d in tiles for f in ("causal", "window-softcap")} | {
         (d, "plain") for d, c in tiles.items() if c.split_keys}
     assert not any(r["scheduled"] and (r.get("varlen") or r.get("kvcache")) for r in rows)
     for r in rows:

@@ -122,15 +122,11 @@ class HopperFwdConfig:
     # consumer thread arriving on the K / V free and turn barriers (4 -> 2 BAR.SYNC per key
     # block), and ``pv_overlap``, a basic-block split that keeps the exponentials under the
     # in-flight P V wgmma: docs/performance.md.)
-    persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
-    # persistent only where every tile has the same length (dense, no causal / window mask)
+    # One CTA per SM walking the tiles where every tile has the same length (dense, no
+    # causal / window mask), else one CTA per tile. (Every tile: under a causal / window mask
+    # on a dense batch, persistent CTAs walking the host's longest-first schedule,
+    # common.persistent_schedule; one CTA per tile there: docs/performance.md.)
     persistent_unmasked: bool = False
-    # persistent under a causal / window mask too (dense batches), the tiles handed out by the
-    # host's longest-first schedule (common.persistent_schedule)
-    persistent_masked: bool = False
-    # that schedule's estimate of a tile's fixed cost (Q load, O store, pipeline fill) in key
-    # blocks: tiles of a few blocks each (1k tokens) weigh it many times per CTA
-    schedule_overhead: int = 1
     # persistent only: Q tiles (each also the O staging of its tile) for this many tiles, so
     # the loader fetches the next tile's Q while this one runs (2: 2 x the Q shared memory)
     q_slots: int = 1
@@ -340,29 +336,21 @@ SM90_BWD = {
 #     or window masks (2x8192x16x128 causal 560.3 -> 532.5 one process earlier: the static
 #     tile-to-CTA assignment cannot balance tiles of different lengths as the hardware does).
 #   persistent CTAs under causal / window masks on the host's longest-first schedule
-#     (persistent_masked, common.persistent_schedule; causal, three interleaved rounds,
-#     probe-rounds_pm-*.json): 128 2x8192x16 570.1 -> 591.1, 576.5 -> 592.3, 563.6 ->
-#     585.3; 4x4096x16 512.6 -> 536.4; 8x2048x16 453.3 -> 482.9; 16x1024x16 358.7 -> 338.7,
-#     355.7 -> 281.6, 349.4 -> 398.6 (host-bound, noisy); 64 2x8192x32 425.1 -> 432.1,
-#     418.1 -> 431.0; 256 seed 639.5 -> 636.5, 623.4 -> 630.7, 2x8192x8 602.1 -> 621.9,
-#     8x2048x8 521.7 -> 527.4, 4x4096x8 578.8 -> 590.0, 1x16384x8 630.7 -> 634.0. One Q
-#     slot at 128 is below two (472.5 / 520.9 / 576.8 at 2k / 4k / 8k); schedule_overhead 3
-#     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
+#     (every tile, common.persistent_schedule; against one CTA per tile:
+#     docs/performance.md). One Q slot at 128 is below two (472.5 / 520.9 / 576.8 at 2k /
+#     4k / 8k, probe-rounds_pm-short-32a4efd.json). Check: 27 of 27
+#     (probe-check_pm-7c818c1.json).
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
     # Beyond the tiles: tree_max at 64 (probes/probe-rounds-95960bf.json at fb45c0d); the split
-    # tail at 128 / 256
-    # (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d: 2x8192x16x128
-    # 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
-    # 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there).
-    64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
-                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True, tree_max=True),
-    128: HopperFwdConfig(block_n=128, stages=2, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
-                         split_keys=1),
-    256: HopperFwdConfig(block_n=64, stages=2, persistent_masked=True,
-                         rescale_early_unmasked=True, split_keys=1),
+    # tail at 128 / 256 (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d:
+    # 2x8192x16x128 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3,
+    # 4x4096x16x128 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there).
+    64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160, persistent_unmasked=True,
+                        q_slots=2, own_blocks=True, rescale_early=True, tree_max=True),
+    128: HopperFwdConfig(block_n=128, stages=2, persistent_unmasked=True, q_slots=2, q_regs=True,
+                         rescale_early=True, split_keys=1),
+    256: HopperFwdConfig(block_n=64, stages=2, rescale_early_unmasked=True, split_keys=1),
 }
 
 

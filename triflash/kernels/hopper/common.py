@@ -169,19 +169,18 @@ _CAPTURED_SCHEDULES = {}  # tables CUDA graphs read: never freed
 _NUM_SMS = {}
 
 
-def persistent_walk(unmasked: bool, masked: bool, pb, params, num_tiles: int) -> str:
+def persistent_walk(unmasked: bool, pb, params, num_tiles: int) -> str:
     """How the CTAs of a launch over ``num_tiles`` tiles take them: "grid", one CTA per tile
     (the hardware starts the next on whichever SM frees up); "strided", one persistent CTA
     per SM walking tile, tile + grid, ... (``unmasked``: asked for where every tile has the
-    same length, no causal / window mask); "scheduled", persistent CTAs walking the host's
-    longest-first schedule (``masked``: asked for under a mask; up to
-    ``SCHEDULE_MAX_TILES``). Dense batches only: varlen / seqused tile lengths live on the
-    device."""
+    same length, no causal / window mask); "scheduled", under a mask, persistent CTAs
+    walking the host's longest-first schedule (up to ``SCHEDULE_MAX_TILES``). Dense batches
+    only: varlen / seqused tile lengths live on the device."""
     if any(pb.seq_flags):  # (varlen, seqused_q, seqused_k)
         return "grid"
     if not params.masked:
         return "strided" if unmasked else "grid"
-    return "scheduled" if masked and num_tiles <= SCHEDULE_MAX_TILES else "grid"
+    return "scheduled" if num_tiles <= SCHEDULE_MAX_TILES else "grid"
 
 
 def num_sms(device) -> int:

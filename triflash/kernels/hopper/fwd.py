@@ -21,9 +21,9 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
 * epilogue: O / l into the consumer's own Q tile (no longer needed), TMA store (rows past
   the sequence are clipped by the descriptor), LSE with plain stores.
 * persistent (``walk``): one CTA per SM walks tiles, on a dense batch without causal /
-  window mask tile, tile + grid, ... (``persistent`` / ``persistent_unmasked``: every tile
-  the same length), under a mask the host's longest-first schedule
-  (``persistent_masked``, ``common.persistent_schedule``: each tile to the CTA that would
+  window mask tile, tile + grid, ... (``persistent_unmasked``: every tile the same length),
+  under a mask the host's longest-first schedule
+  (``common.persistent_schedule``: each tile to the CTA that would
   free up first, as the hardware does for one CTA per tile); the K/V ring runs on across
   tiles, and with ``Q_SLOTS`` = 2 the Q tiles (each its tile's O staging) alternate, so the
   next tile's Q loads while this one runs.
@@ -61,6 +61,10 @@ ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
 # both with the per-warp skip, 64 521.4 -> 534.2, 128 637.0 -> 654.1 / 600.8 -> 623.7.
 RESCALE_THRESHOLD = 8.0
 _THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
+# The host's schedules (common.persistent_schedule, common.split_table) count a tile's fixed
+# cost (Q load, O store, pipeline fill) as this many key blocks: tiles of a few blocks each
+# (1k tokens) weigh it many times per CTA. 3 or 6 measured within noise of 1 (docs/performance.md).
+SCHEDULE_OVERHEAD = 1
 
 
 @gluon.jit
@@ -728,7 +732,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     if how == "scheduled":
         sched = schedule_table(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q, pb.seqlen_k,
                                           params.window_left, params.window_right, bm * cfg.num_consumers,
-                                          cfg.block_n, min(num_tiles, num_sms), cfg.schedule_overhead))
+                                          cfg.block_n, min(num_tiles, num_sms), SCHEDULE_OVERHEAD))
         how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
     q_slots = 1 if how == "grid" else cfg.q_slots
     if split is not None:  # the walks of split_schedule, persistent or not
@@ -763,12 +767,10 @@ def rescale_early(cfg, params) -> bool:
 
 
 def walk(cfg, params, pb, num_tiles) -> str:
-    """How the forward's CTAs take their tiles (``common.persistent_walk``): "strided" where
-    the tile says ``persistent`` (forced, probes) or, without a mask, ``persistent_unmasked``;
-    "scheduled" under a causal / window mask where it says ``persistent_masked``."""
-    if cfg.persistent:
-        return "strided"
-    return persistent_walk(cfg.persistent_unmasked, cfg.persistent_masked, pb, params, num_tiles)
+    """How the forward's CTAs take their tiles (``common.persistent_walk``): "strided"
+    without a mask where the tile says ``persistent_unmasked``; "scheduled" under a causal /
+    window mask (every tile: one CTA per tile there, docs/performance.md)."""
+    return persistent_walk(cfg.persistent_unmasked, pb, params, num_tiles)
 
 
 def split_keys(q, k, params, cfg):
@@ -782,9 +784,8 @@ def split_keys(q, k, params, cfg):
     num_tiles = ceil_div(q.shape[1], bmt) * q.shape[2] * q.shape[0]
     if num_tiles == 0 or k.shape[1] == 0 or num_tiles > SCHEDULE_MAX_TILES:
         return None
-    persistent = cfg.persistent or cfg.persistent_unmasked
-    return split_plan(q.device, (num_tiles, ceil_div(k.shape[1], cfg.block_n), num_sms(q.device), persistent,
-                                 cfg.schedule_overhead, cfg.split_keys == 2))
+    return split_plan(q.device, (num_tiles, ceil_div(k.shape[1], cfg.block_n), num_sms(q.device),
+                                 cfg.persistent_unmasked, SCHEDULE_OVERHEAD, cfg.split_keys == 2))
 
 
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
