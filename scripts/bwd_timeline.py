@@ -65,7 +65,7 @@ def step_stamps(b, s, h, d, causal, points, changes, runs=3):
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     cfg = configs.SM90_HOPPER_BWD[d]
-    ctas = 4 * -(-s // cfg.block_n) * h * b  # (room for the last wave's split pieces)
+    ctas = 4 * -(-s // hbwd.BLOCK_N) * h * b  # (room for the last wave's split pieces)
     buf = torch.full((ctas, hbwd.STEP_SLOTS), -1, dtype=torch.int64, device="cuda")
     saved = (cfg, hbwd.step_timeline_buffer, hbwd.step_points)
     configs.SM90_HOPPER_BWD[d] = dataclasses.replace(cfg, timeline=True, **changes)

@@ -621,7 +621,7 @@ def test_hopper_bwd_step_timeline_probe(d, causal, monkeypatch):
             return torch.autograd.grad(out, (q, k, v), dout)
     dispatched = run()
     cfg = configs.SM90_HOPPER_BWD[d]
-    ctas = -(-s // cfg.block_n) * h * b  # (one partial wave: no split tiles)
+    ctas = -(-s // hbwd.BLOCK_N) * h * b  # (one partial wave: no split tiles)
     buf = torch.full((ctas, hbwd.STEP_SLOTS), -1, dtype=torch.int64, device="cuda")
     monkeypatch.setattr(hbwd, "step_timeline_buffer", buf)
     monkeypatch.setattr(hbwd, "step_points", 0xFF)

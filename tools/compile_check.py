@@ -178,7 +178,8 @@ def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages
     packed sequences."""
     from triflash.kernels.hopper import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, v_stages=v_stages, own_blocks=own_blocks)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, v_stages=v_stages,
+                            own_blocks=own_blocks)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
                block_n=block_n, stages=stages)
     if v_stages:

@@ -135,16 +135,15 @@ class HopperFwdConfig:
     # ``common.split_schedule``; the pieces merged by ``hopper.split_combine``): 1 where the
     # schedule's estimate says it saves time, 2 whenever that round is part empty (tests).
     split_keys: int = 0
-    consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240)
-    loader_regs: int = 24      # setmaxnreg for the loader warp (FA3: 24)
+    consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240; the loader's: common.LOADER_REGS)
 
 
 @dataclass(frozen=True)
 class HopperBwdConfig:
     """Gluon sm90 dK/dV kernel (kernels/hopper/bwd.py): 2 consumer warpgroups x 64 keys, one
-    TMA loader warp; Q/dO rings of ``stages`` slots of 64 query rows."""
+    TMA loader warp (``hopper.bwd.NUM_CONSUMERS``, ``BLOCK_N`` keys per CTA); Q/dO rings of
+    ``stages`` slots of 64 query rows."""
     stages: int
-    num_consumers: int = 2
     # True (deterministic=False, dense batches): dQ inside the dK/dV kernel, each warpgroup's
     # fp32 column slice over the CTA's keys added in L2 by a TMA reduce-add (5 matmuls; the
     # order of the adds varies, so the bits may too), with Q/dO rings ``atomic_stages``
@@ -263,12 +262,6 @@ class HopperBwdConfig:
     dq_early: bool = False
     # (Not kept: ``s_first``, S^T issued before dP^T so that P's exponentials run under dP^T
     # (FA4's sm90 order): slower at 128, within the spread at 64, docs/performance.md.)
-    consumer_regs: int = 240
-    loader_regs: int = 24
-
-    @property
-    def block_n(self) -> int:
-        return 64 * self.num_consumers
 
     def reg_a_for(self, softcap: float) -> int:
         """``reg_a`` where it applies: not with softcap (its tanh temporaries next to the

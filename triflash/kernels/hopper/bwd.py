@@ -75,11 +75,13 @@ from .. import configs, portable
 from . import bwd256, bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
-from .common import (Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view, a_operand, clock, descriptor,
-                     global_ns, kernel_head_dim, launch, num_sms, planned_launch, sm_id, stat_descriptor, stat_row0,
-                     stat_rows, tma_compatible, tma_reduce_add, to_16bit)
+from .common import (CONSUMER_REGS, LOADER_REGS, Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view,
+                     a_operand, clock, descriptor, global_ns, kernel_head_dim, launch, num_sms, planned_launch, sm_id,
+                     stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
+NUM_CONSUMERS = 2        # consumer warpgroups
+BLOCK_N = ROWS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
 BLOCK_M = 64             # query rows per streamed Q / dO tile
 HEAD_DIMS = (64, 96, 128, 192, 256)  # dispatched (= headdim_v); 96 / 192 computed as 128 / 256
 VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked dK/dV/dQ stores
@@ -622,11 +624,11 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             descriptor(dq_accum, BLOCK_M, d // 2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
+            cfg.atomic_stages if atomic_dq else cfg.stages, NUM_CONSUMERS,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1],  # .., HEAD_DIM
+            *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, q.shape[-1],  # .., HEAD_DIM
             cfg.reg_a_for(params.softcap),
-            n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
+            n_full, ceil_div(pb.seqlen_k, BLOCK_N), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
             cfg.dq_lag and atomic_dq,  # DQ_LAG
             _step_timeline(pb, cfg, pieces, n_full) if cfg.timeline else None,  # TL
             step_points if cfg.timeline else 0,  # TIMELINE
@@ -655,7 +657,7 @@ step_timeline_buffer = None
 
 def _step_timeline(pb, cfg, pieces, n_full):
     """The probe's buffer, checked against the launch's CTAs."""
-    n_tiles = ceil_div(pb.seqlen_k, cfg.block_n) * pb.nheads_kv * pb.batch
+    n_tiles = ceil_div(pb.seqlen_k, BLOCK_N) * pb.nheads_kv * pb.batch
     ctas = n_full + pieces * (n_tiles - n_full) if pieces > 1 else n_tiles
     buf = step_timeline_buffer
     if buf is None or buf.dtype != torch.int64 or buf.numel() < ctas * STEP_SLOTS:
@@ -730,7 +732,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     dq_side = _side_stream(q.device) if cfg.dq_stream and (cfg.gluon_dq or pb.varlen) and not atomic_dq else None
     if dq_side is not None:
         dq_side.wait_stream(torch.cuda.current_stream(q.device))
-    grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
+    grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     n_tiles = grid[0] * grid[1] * grid[2]
     pieces, n_split = 1, 0  # the last wave's n_split tiles in pieces (tail_pieces)
     if atomic_dq and params.window_left < 0 and params.window_right < 0 and cfg.tail_split != 1:
@@ -742,7 +744,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     else:
         split = None
         if pieces > 1:
-            dkv_part = torch.empty(n_split * pieces * 2 * cfg.block_n * d, dtype=torch.float32, device=q.device)
+            dkv_part = torch.empty(n_split * pieces * 2 * BLOCK_N * d, dtype=torch.float32, device=q.device)
             split = (pieces, n_tiles - n_split, dkv_part)
             grid = (n_tiles - n_split + pieces * n_split, 1, 1)
         if atomic_dq:
@@ -759,7 +761,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
             dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags, pieces)
         planned_launch(hopper_bwd_kernel, key, tensors, build)
         if split:
-            _split_fixup(pb, dk4, dv4, split, cfg.block_n, d)
+            _split_fixup(pb, dk4, dv4, split, BLOCK_N, d)
         if atomic_dq:
             _scale_into(dq, dq_accum, params.softmax_scale)
     if not atomic_dq:

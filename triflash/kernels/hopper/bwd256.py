@@ -51,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
-from .common import (_acc_layout, _key_tile, _tma_view, a_operand, clock, descriptor, global_ns, kernel_head_dim, sm_id,
-                     planned_launch, stat_descriptor, to_16bit)
+from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _key_tile, _tma_view, a_operand, clock, descriptor,
+                     global_ns, kernel_head_dim, planned_launch, sm_id, stat_descriptor, to_16bit)
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
@@ -406,7 +406,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
+            cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, d,
             tma_epilogue, cfg.timeline, cfg.reg_a_for(params.softcap)]
     return grid, args
 

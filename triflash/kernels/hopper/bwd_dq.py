@@ -30,10 +30,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, n_block_range, tanh, visible
-from .common import (_acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor, kernel_head_dim,
-                     planned_launch, stat_row0, to_16bit)
+from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _seq_query_tile, _store_query_tile, _tma_view,
+                     descriptor, kernel_head_dim, planned_launch, stat_row0, to_16bit)
 
 ROWS_PER_CONSUMER = 64
+NUM_CONSUMERS = 2  # consumer warpgroups
 
 
 @gluon.jit
@@ -281,12 +282,11 @@ def tile(cfg, varlen):
     return cfg.dq_block_n, 0
 
 
-def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
-                loader_regs=24, consumer_regs=240, v_stages=0, own_blocks=False):
+def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, v_stages=0, own_blocks=False):
     """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
     views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
-    num_m_blocks = ceil_div(pb.seqlen_q, bm * num_consumers)
+    num_m_blocks = ceil_div(pb.seqlen_q, bm * NUM_CONSUMERS)
     qk_scale, softcap_log2 = params.score_constants()
     d = kernel_head_dim(q.shape[-1])  # 96 / 192: boxes 128 / 256 wide
     args = [descriptor(q, bm, d), descriptor(k, block_n, d), descriptor(v, block_n, d), descriptor(dout, bm, d),
@@ -294,8 +294,8 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,
             pb.section_heads(k, v, params), *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            stages, v_stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
-            params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs, q.shape[-1],  # .., HEAD_DIM,
+            stages, v_stages, NUM_CONSUMERS, params.window_left >= 0, params.window_right >= 0,
+            params.softcap > 0.0, *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, q.shape[-1],  # .., HEAD_DIM,
             own_blocks]
     return (num_m_blocks * pb.nheads * pb.batch,), args
 

@@ -19,6 +19,13 @@ from ..common import (launch_order, launch_sections, m_block_range, n_block_rang
                       seqlen_info, split_table)
 
 
+# setmaxnreg of every kernel's loader warp, and of its consumer warpgroups' threads (the
+# forward's: configs.HopperFwdConfig.consumer_regs, 160 with three consumers): FA3's split
+# of the register file.
+LOADER_REGS = 24
+CONSUMER_REGS = 240
+
+
 @gluon.constexpr_function
 def _acc_layout(n, dtype):
     """wgmma accumulator of one warpgroup: instr m16 x n x k(16 for 16-bit inputs)."""

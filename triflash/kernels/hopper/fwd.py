@@ -49,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, n_block_range, scores, visible
-from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at,
-                     _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, launch, num_sms,
+from .common import (LOADER_REGS, SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile,
+                     _tile_at, _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, launch, num_sms,
                      persistent_walk, planned_launch, schedule_table, split_plan, to_16bit)
 from .split_combine import combine_args, split_combine_kernel
 
@@ -751,7 +751,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
+            *pb.seq_flags, LOADER_REGS, cfg.consumer_regs,
             q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
             cfg.tree_max, how == "pieces"]
