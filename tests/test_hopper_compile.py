@@ -321,14 +321,14 @@ def test_hopper_dq_compiles_for_sm90a():
     from triflash.kernels.hopper import bwd_dq
     from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     rows = _compiled("dq")
-    served = {d for d, c in configs.SM90_HOPPER_BWD.items() if c.gluon_dq}
+    served = set(configs.SM90_HOPPER_BWD)
     assert {r["headdim"] for r in rows} == served | {d for d, w in PADDED_HEAD_DIMS.items() if w in served}
     assert {r["headdim"] for r in rows if r.get("varlen")} == {r["headdim"] for r in rows}
     rows = [dict(r, headdim=kernel_head_dim(r["headdim"])) for r in rows]
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
         block_n, v_stages = bwd_dq.tile(c, r.get("varlen", False))  # what bwd.bwd launches
-        assert (r["block_n"], r["stages"], r.get("v_stages", 0)) == (block_n, c.dq_stages, v_stages), r
+        assert (r["block_n"], r["stages"], r.get("v_stages", 0)) == (block_n, bwd_dq.STAGES, v_stages), r
         if c.dq_split_v and not r.get("varlen"):  # dense: dq_split_v keys, V in a slot of its own
             assert (block_n, v_stages) == (c.dq_split_v, 1), r
         budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
@@ -358,9 +358,6 @@ def test_tile_variants_compile_for_sm90a():
     assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
         (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag", "dq_early")
         for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
-        (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")} | {
-        (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
-        for d in (128, 256) for f in ("causal", "window-softcap")} | {
         (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
         for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
     for r in rows:

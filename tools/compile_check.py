@@ -170,22 +170,18 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
 
-def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, v_stages: int = 0,
-               own_blocks: bool = False) -> dict:
-    """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
+def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, varlen: bool = False,
+               v_stages: int = 0) -> dict:
+    """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in its
+    ``STAGES``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
     packed sequences."""
     from triflash.kernels.hopper import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, v_stages=v_stages,
-                            own_blocks=own_blocks)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, v_stages=v_stages)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
-               block_n=block_n, stages=stages)
+               block_n=block_n, stages=Q.STAGES)
     if v_stages:
         row["v_stages"] = v_stages
-    if own_blocks:
-        row["own_blocks"] = True
     if varlen:
         row["varlen"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
@@ -228,22 +224,21 @@ def all_bwd(dtypes=("bf16", "fp16")):
 
 
 def all_dq(dtypes=("bf16", "fp16")):
-    """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it,
+    """The Gluon dQ kernel at every head dim of configs.SM90_HOPPER_BWD with its tile,
     dense in both dtypes and varlen in bf16; the padded head dims (96, 192) dense and varlen
     in bf16."""
     from triflash.kernels import configs
     from triflash.kernels.hopper import bwd_dq as Q
     from triflash.kernels.hopper.common import PADDED_HEAD_DIMS
-    tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
+    tiles = sorted(configs.SM90_HOPPER_BWD.items())
     padded = [(d, configs.SM90_HOPPER_BWD[w]) for d, w in sorted(PADDED_HEAD_DIMS.items())]
 
     def dq(d, c, dt, f, varlen=False):  # the tile as bwd.bwd launches it
         block_n, v_stages = Q.tile(c, varlen)
-        return compile_dq(d, dt, f, block_n, c.dq_stages, varlen=varlen, v_stages=v_stages, own_blocks=c.dq_own_blocks)
+        return compile_dq(d, dt, f, block_n, varlen=varlen, v_stages=v_stages)
     return ([dq(d, c, dt, f) for d, c in tiles for dt in dtypes for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=True) for d, c in tiles for f in FEATURES]
-            + [dq(d, c, "bf16", f, varlen=v) for d, c in padded if c.gluon_dq
-               for f in FEATURES for v in (False, True)])
+            + [dq(d, c, "bf16", f, varlen=v) for d, c in padded for f in FEATURES for v in (False, True)])
 
 
 def all_variants():
@@ -254,13 +249,11 @@ def all_variants():
     left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
     and ``dq_early`` (its dQ wgmmas before dK's) each flipped from the dispatched value (row
     key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
-    and V's slots (``dq_split_v`` off) and of a varlen batch with 64-key ones
-    (``dq_split_v_varlen``), and the forward rescaling O before P V
+    and V's slots (``dq_split_v`` off), and the forward rescaling O before P V
     (``rescale_early``) and with its row max by a tree (``tree_max``)."""
     import dataclasses
 
     from triflash.kernels import configs
-    from triflash.kernels.hopper import bwd_dq as Q
     rows = []
     b256 = configs.SM90_HOPPER_BWD[256]
     for d in (64, 128, 256):  # O rescaled before P V is issued (rescale_early)
@@ -278,17 +271,7 @@ def all_variants():
                 rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, **{opt: value})),
                                  option=f"{opt}={int(value)}"))
     for f in ("plain", "causal"):  # the head-dim-256 dQ kernel of a dense batch without dq_split_v
-        rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n, b256.dq_stages), option="dq_split_v=0"))
-    for d in (128, 256):  # each consumer's own key blocks (dq_own_blocks), dense (256: 64-key tiles)
-        c = configs.SM90_HOPPER_BWD[d]
-        for f in ("causal", "window-softcap"):
-            block_n, v_stages = Q.tile(c, False)
-            rows.append(dict(compile_dq(d, "bf16", f, block_n, c.dq_stages, v_stages=v_stages,
-                                        own_blocks=not c.dq_own_blocks),
-                             option=f"dq_own_blocks={int(not c.dq_own_blocks)}"))
-    for f in FEATURES:  # ... and of a varlen batch with it (dq_split_v_varlen)
-        rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, v_stages=1),
-                         option="dq_split_v_varlen=1"))
+        rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n), option="dq_split_v=0"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):
     # each row's max of S by a tree (tree_max), at 256 the persistent walk of unmasked tiles with one Q slot
     # (persistent_unmasked), at 128 / 256 the walk without the split tail (split_keys)

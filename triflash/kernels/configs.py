@@ -151,44 +151,21 @@ class HopperBwdConfig:
     # no atomics, bitwise reproducible).
     atomic_dq: bool = False
     atomic_stages: int = 2
-    # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py) with ``dq_block_n``-key K/V tiles
-    # in ``dq_stages``-deep rings (every dispatched tile: backward at 128 509.6 / 468.6
-    # against 445.2 / 402.7 with the Triton dQ kernel in an earlier run,
-    # probes/hopper-bwd-speed-{gluon_dq1-8151f01,stages4-18c10c4}.json at fb45c0d); False:
-    # the Triton dQ kernel.
-    gluon_dq: bool = False
+    # dQ (where not inside the dK/dV kernel) by the Gluon dQ kernel (hopper/bwd_dq.py, every
+    # tile; the Triton one: docs/performance.md) with ``dq_block_n``-key K/V tiles in
+    # ``hopper.bwd_dq.STAGES``-deep rings.
     dq_block_n: int = 64
-    dq_stages: int = 2
     # Dense batches (> 0): the dQ kernel's K / V tiles hold this many keys instead, K in
-    # ``dq_stages`` slots and V in one slot of its own, freed once dP' has read it
+    # ``hopper.bwd_dq.STAGES`` slots and V in one slot of its own, freed once dP' has read it
     # (``hopper/bwd_dq.py`` V_STAGES = 1). At head dim 256 64-key tiles read 29% fewer
     # shared-memory bytes per multiply-add than 32-key ones (Q and dO, the wgmmas' A
     # operands, once per 64 keys: 160 KB per warpgroup and 64 keys against 2 x 112 KB), and
     # 2 K + 1 V slots fit (229680 B) where 2 K + 2 V do not (262448 B). Varlen batches keep
-    # ``dq_block_n`` unless ``dq_split_v_varlen`` (a varlen sequence's length is clamped at
-    # 0, so the kernel takes its opaque zero from the ``seqlen_q`` argument, and spills
-    # 16-28 B, none in its loops). Measured (off -> on, the batch packed as varlen,
-    # probes/bwd-probe-rounds-d256-varlen-1606532.json at fb45c0d): seed 446.6 -> 445.1 /
-    # 424.1 -> 430.3, 16x1024x8 340.9 -> 339.2 / 248.9 -> 251.5; its GPU tests passed
-    # (probes/variants-tests-1606532.txt at fb45c0d). Off: not yet in a complete run.
+    # ``dq_block_n`` (their 64-key tiles: docs/performance.md).
     dq_split_v: int = 0
-    dq_split_v_varlen: bool = False
-    # Under causal / window masks each consumer warpgroup of the dQ kernel computes only the
-    # key blocks its own 64 rows see (``common.n_block_range`` of them) and masks only where
-    # they need it, merely waiting for and releasing the tile's other slots (the forward's
-    # ``own_blocks``; ``hopper/bwd_dq.py`` OWN_BLOCKS). Causal, 64-key tiles: consumer 0 of
-    # a 128-row tile skips one of the tile's two diagonal blocks, 1.5% of its blocks at 8k
-    # and 11% at 1k, and each consumer masks one block instead of two. Compile-checked; its
-    # GPU test (``test_hopper_bwd_dq_own_blocks``) not yet run, nor the option measured: off.
-    dq_own_blocks: bool = False
-    # The separate dQ kernel (head dim 256, deterministic=True, varlen) launched on a side
-    # stream right after the dK/dV kernel instead of after it on the caller's stream: the
-    # two read the same inputs and write different outputs, so the dQ kernel's CTAs fill
-    # the SMs that the dK/dV kernel's last, partial wave leaves idle (and its ramp-down);
-    # the caller's stream waits for both. Measured (medians off -> on, beside cuDNN,
-    # probes/bwd-probe-rounds-d256-146cd3e.json at fb45c0d): seed 441.6 -> 444.5 / 431.9 ->
-    # 427.8, 16x1024x8 375.9 -> 379.1 / 295.1 -> 302.4: no gain at the seed causal; off.
-    dq_stream: bool = False
+    # (Not kept: ``dq_own_blocks``, each dQ consumer computing only its own rows' key blocks,
+    # never measured; the dQ kernel on a side stream beside the dK/dV kernel,
+    # ``dq_stream``: docs/performance.md.)
     # (Not kept, each within noise at head dim 256: persistent dQ and dK/dV kernels on the
     # host's longest-first schedule, a longest-first order of the dK/dV CTAs across KV heads
     # (``ordered_keys``), each key tile's unmasked query blocks before its masked ones
@@ -370,14 +347,14 @@ def flipped(cfg, name):
 # 536.0 / 488.3, separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs
 # 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
+    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
                         tail_split=0, dq_lag=True, dq_early=True),
-    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0, dq_early=True),
+    128: HopperBwdConfig(stages=4, atomic_dq=True, atomic_stages=2, tail_split=0, dq_early=True),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles for dense batches, V in one slot of its own:
     # ``dq_split_v``). Options measured and not kept: docs/performance.md.
-    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True, tma_epilogue=True,
+    256: HopperBwdConfig(stages=2, dq_block_n=32, ds_wg1=True, tma_epilogue=True,
                          reg_a=1, dq_split_v=64),
 }
 

@@ -60,7 +60,6 @@ the lse_log2 / Delta buffers give each sequence its own padded rows (``common.st
 and dK / dV leave by masked stores (``common._store_rows``) where a TMA box would run into
 the next sequence.
 """
-import contextlib
 import functools
 
 import torch
@@ -703,9 +702,8 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     ``dispatch.hopper_bwd_supports`` accepts (the dispatch checks it once, before calling).
 
     dK/dV: ``hopper_bwd_kernel``, or ``bwd256`` at head dim 256. dQ: the Gluon dQ kernel
-    (``cfg.gluon_dq``), the portable ``bwd_dq_kernel`` (dense only), or, with ``cfg.atomic_dq``
-    and not ``deterministic`` (dense only), fp32 atomics inside the dK/dV kernel
-    (dq = dq_accum * scale)."""
+    (``hopper/bwd_dq.py``), or, with ``cfg.atomic_dq`` and not ``deterministic`` (dense
+    only), TMA reduce-adds inside the dK/dV kernel (dq = dq_accum * scale)."""
     pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     d = kernel_head_dim(q.shape[-1])  # 96 / 192: computed as 128 / 256
     cfg = cfg or configs.SM90_HOPPER_BWD[d]
@@ -727,11 +725,6 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     q4, k4, v4, do4, dk4, dv4 = (pb.view(x) for x in (q, k, v, dout, dk, dv))
     # (head dim 256: dQ always by the separate kernel)
     atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen and d not in SPLIT_D_HEAD_DIMS
-    # the Gluon dQ kernel beside the dK/dV kernel on a side stream (cfg.dq_stream): the side
-    # stream waits for the statistics only, the caller's stream for both kernels at the end
-    dq_side = _side_stream(q.device) if cfg.dq_stream and (cfg.gluon_dq or pb.varlen) and not atomic_dq else None
-    if dq_side is not None:
-        dq_side.wait_stream(torch.cuda.current_stream(q.device))
     grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     n_tiles = grid[0] * grid[1] * grid[2]
     pieces, n_split = 1, 0  # the last wave's n_split tiles in pieces (tail_pieces)
@@ -764,35 +757,12 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
             _split_fixup(pb, dk4, dv4, split, BLOCK_N, d)
         if atomic_dq:
             _scale_into(dq, dq_accum, params.softmax_scale)
-    if not atomic_dq:
-        if cfg.gluon_dq or pb.varlen:
-            with torch.cuda.stream(dq_side) if dq_side is not None else contextlib.nullcontext():
-                block_n, v_stages = bwd_dq.tile(cfg, pb.varlen)
-                bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, block_n,
-                              cfg.dq_stages, v_stages=v_stages, own_blocks=cfg.dq_own_blocks)
-            if dq_side is not None:
-                torch.cuda.current_stream(q.device).wait_stream(dq_side)
-            if dq_out is not dq:
-                dq.copy_(dq_out)
-            return _finish(dq, dk, dk_out, dv, dv_out)
-        # the portable dQ kernel reads LSE and Delta with one set of strides
-        s = portable._seq_args(q, k, None, None, None, None, params)
-        portable.launch_dq(q, k, v, dout, lse.contiguous(), delta[:, :, :pb.seqlen_q].contiguous(), dq,
-                           s, params, configs.SM90_BWD[d],
-                           portable._common_flags(q, v, params, upcast=False))
+    if not atomic_dq:  # the Gluon dQ kernel, after the dK/dV kernel on the caller's stream
+        block_n, v_stages = bwd_dq.tile(cfg, pb.varlen)
+        bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, block_n, v_stages=v_stages)
+        if dq_out is not dq:
+            dq.copy_(dq_out)
     return _finish(dq, dk, dk_out, dv, dv_out)
-
-
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device):
-    """The stream the dQ kernel runs on beside the dK/dV kernel (``HopperBwdConfig.dq_stream``),
-    one per device, made on first use (before any CUDA-graph capture of it, by a warm-up)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
 
 
 def tail_pieces(n_tiles: int, n_sm: int) -> int:
