@@ -157,7 +157,7 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         if cfg.timeline:  # the probe's buffer (only its dtype specializes the kernel)
             bwd256.timeline_buffer = torch.empty(1 << 16, dtype=torch.int64)
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
-        return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
+        return dict(kernel="hopper_bwd256", ds_wg1=p.softcap == 0.0, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
     # a tile with tail_split > 1 forces the split launch (every key tile in that many pieces)
     split = (cfg.tail_split, 0, torch.empty(1)) if atomic_dq and cfg.tail_split > 1 else None

@@ -170,23 +170,17 @@ class HopperBwdConfig:
     # host's longest-first schedule, a longest-first order of the dK/dV CTAs across KV heads
     # (``ordered_keys``), each key tile's unmasked query blocks before its masked ones
     # (``full_first``): docs/performance.md.)
-    # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
-    # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
-    ds_wg1: bool = False
+    # (Head dim 256, hopper/bwd256.py: dS^T computed by the dP^T warpgroup from P^T in 16
+    # bits but with softcap, ``DS_WG1``; the fp32 dP^T exchange without softcap:
+    # docs/performance.md.)
     # (Every tile: P^T and dS^T (dS in the dQ kernel) to 16 bits two at a time,
     # ``hopper.common.to_16bit``; one at a time: docs/performance.md.)
-    # Head dim 256 only (dense batches): dK / dV out through each warpgroup's K / V half
-    # tiles by TMA stores instead of register stores (off -> on with packed_cvt:
-    # 16x1024x8x256 349.2 -> 363.9 / 268.8 -> 287.8, seed 427.7 -> 435.7 / 418.3 -> 410.9,
-    # the causal seed's rounds spread 406-429; again at 3372345, off against on:
-    # 16x1024x8x256 349.2 / 273.3 against 369.1 / 293.8, seed 437.8 / 422.5 against 443.3 /
-    # 432.3: probes/bwd-probe-rounds-d256-{8ce1f2a,3372345}.json at fb45c0d). Dispatched at
-    # 256.
-    tma_epilogue: bool = False
+    # (Head dim 256, dense batches: dK / dV out through each warpgroup's K / V half tiles by
+    # TMA stores, ``TMA_EPILOGUE``; register stores there: docs/performance.md.)
     # (Not kept: ``early_q``, K and V on two barriers and the first Q loaded before V so
     # that the S^T warpgroup starts without waiting for V: within the rounds' spread,
     # docs/performance.md.)
-    # Probe instrumentation, never dispatched: at 256 (dense, with tma_epilogue) per-CTA clock
+    # Probe instrumentation, never dispatched: at 256 (dense) per-CTA clock
     # stamps into ``hopper.bwd256.timeline_buffer``; at 64 / 128 (hopper/bwd.py)
     # per-step stamps of each warpgroup into ``hopper.bwd.step_timeline_buffer``
     # (scripts/bwd_timeline.py, --steps for the latter).
@@ -354,8 +348,7 @@ SM90_HOPPER_BWD = {
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles for dense batches, V in one slot of its own:
     # ``dq_split_v``). Options measured and not kept: docs/performance.md.
-    256: HopperBwdConfig(stages=2, dq_block_n=32, ds_wg1=True, tma_epilogue=True,
-                         reg_a=1, dq_split_v=64),
+    256: HopperBwdConfig(stages=2, dq_block_n=32, reg_a=1, dq_split_v=64),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

@@ -17,7 +17,7 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   dS^T = P^T dP'^T with P^T read back from ``pt_buf`` -> ``ds_buf`` (16-bit) for WG0;
   dV[:, 128:] += P^T dO[:, 128:] (P^T from ``pt_buf``); dK[:, 128:] += dS^T Q[:, 128:]
   (dS^T from registers).
-* ``DS_WG1`` off (always with softcap, whose dS needs WG0's tanh): WG1 hands dP'^T to WG0
+* ``DS_WG1`` off (with softcap, whose dS needs WG0's tanh): WG1 hands dP'^T to WG0
   in fp32 (``dp_buf``, XOR-swizzled: unswizzled, the accumulator's row pairs hit the same
   banks 8 ways and the backward was 8% slower), WG0 computes dS^T.
 * loader (1 warp): ``bwd_loader._bwd_loader`` with ``SPLIT_D``: K and V halves once; Q / dO halves
@@ -25,9 +25,9 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
   no shared tile is ever sliced.
 
-Epilogue: with ``TMA_EPILOGUE`` (dense batches, dispatched) each warpgroup stages its dK /
-dV halves in its own K / V half tiles and TMA-stores them (``_store_half_tma``); else, and
-on varlen batches, masked register stores (``_store_half``).
+Epilogue: with ``TMA_EPILOGUE`` (dense batches) each warpgroup stages its dK / dV halves in
+its own K / V half tiles and TMA-stores them (``_store_half_tma``); on varlen batches masked
+register stores (``_store_half``).
 
 Exchange barriers (one completion per query block; a writer waits for the reader's
 previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
@@ -311,11 +311,10 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
+                         SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
-                         REG_A: gl.constexpr):
+                         TIMELINE: gl.constexpr, REG_A: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -324,7 +323,10 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
     gl.static_assert(HEAD_DIM > H and HEAD_DIM <= 2 * H, "head dims 192 / 256 (columns past it are padding)")
-    gl.static_assert(not (TMA_EPILOGUE and IS_VARLEN), "TMA stores would cross into the next sequence")
+    # dS^T by WG1 from P^T in 16 bits, but with softcap (its dS needs WG0's tanh)
+    DS_WG1: gl.constexpr = not SOFTCAP
+    # dK / dV out by TMA stores, but on a varlen batch (they would cross into the next sequence)
+    TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
     gl.static_assert(TMA_EPILOGUE or not TIMELINE, "TIMELINE: DK is the timeline buffer (unused by TMA stores)")
 
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
@@ -392,7 +394,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
     d = q.shape[-1]
     assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"
     qk_scale, softcap_log2 = params.score_constants()
-    tma_epilogue = cfg.tma_epilogue and not pb.varlen
+    tma_epilogue = not pb.varlen  # (the kernel's TMA_EPILOGUE)
     grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     k_desc = descriptor(k, BLOCK_N, HALF)
     v_desc = descriptor(v, BLOCK_N, HALF)
@@ -406,8 +408,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, d,
-            tma_epilogue, cfg.timeline, cfg.reg_a_for(params.softcap)]
+            *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, d, cfg.timeline, cfg.reg_a_for(params.softcap)]
     return grid, args
 
 
