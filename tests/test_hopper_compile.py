@@ -146,11 +146,6 @@ HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96, ("ca
 # tiles (dq_split_v, dense: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
 # the key-block loops' SASS) and 32-key ones (varlen, budget below).
 HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32, ("causal", 256): 64}
-# The 128 dK/dV kernel with its per-step timeline probe (every point stamped, never
-# dispatched): the clock reads and stores cost registers, 948 / 1404 B spilled (bf16;
-# points 0 and 7 alone 144 / 896 B, the 64 kernel none): scripts/bwd_timeline.py --steps
-# reads it as a probe's view, not the kernel's own speed.
-HOPPER_BWD_TIMELINE_SPILL_BUDGET = {("plain", 128): 1024, ("causal", 128): 1536}
 
 
 # Varlen variants (dispatched): the tile's sequence starts and lengths stay
@@ -215,11 +210,9 @@ BUDGETS_BY_TRITON = {
         "HOPPER_FWD_3WG_SPILL_BUDGET": {("causal", 64): 288, ("window-softcap", 64): 448},  # 272, 416 B
         "HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET": {("plain", 64): 832},  # 800 B
         "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 1024},  # 968 B (976 B at 96)
-        # dK/dV under the causal mask: 128 dense 60 B, varlen 100 B; 256 68 / 44 B, and
-        # 108 B with the timeline probe (an option row)
+        # dK/dV under the causal mask: 128 dense 60 B, varlen 100 B; 256 68 / 44 B
         "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
         "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B (372 B dq_early=0)
-        "HOPPER_BWD_TIMELINE_SPILL_BUDGET": {("causal", 128): 1600},  # 1572 B
         "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 256): 160},  # (an option row)
     },
 }
@@ -338,7 +331,7 @@ def test_hopper_dq_compiles_for_sm90a():
 
 def test_tile_variants_compile_for_sm90a():
     """Tile options the dispatch does not use compile within the dispatched tiles' budgets:
-    the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps, and with K / V
+    the head-dim-256 dK/dV kernel with K / V
     read from shared memory (``reg_a`` 0; the dispatched kernel's is 1). (The head-dim-64 dK/dV
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs`` are dispatched: the tests
     above compile them in every form.) The 64 / 128
@@ -350,8 +343,6 @@ def test_tile_variants_compile_for_sm90a():
     from triflash.kernels import configs
     rows = _compiled("variants")
     from tools import compile_check
-    assert {(r["kernel"], r["feature"]) for r in rows if r.get("timeline")} == {
-        (k, f) for k in ("hopper_bwd256", "hopper_bwd") for f in ("plain", "causal")}
     assert {r["feature"] for r in rows if r.get("reg_a") == 0} == {"plain", "causal"}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("rescale_early")} == {
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
@@ -363,8 +354,6 @@ def test_tile_variants_compile_for_sm90a():
     for r in rows:
         if r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
-        elif r.get("timeline") and r["kernel"] == "hopper_bwd":
-            budget = HOPPER_BWD_TIMELINE_SPILL_BUDGET
         elif r["kernel"] == "hopper_bwd":  # the in-kernel dQ's budget (dq_early either way)
             budget = HOPPER_BWD_ATOMIC_SPILL_BUDGET
         elif r["kernel"] == "hopper_fwd":

@@ -154,8 +154,6 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
         from triflash.kernels.hopper import bwd256
-        if cfg.timeline:  # the probe's buffer (only its dtype specializes the kernel)
-            bwd256.timeline_buffer = torch.empty(1 << 16, dtype=torch.int64)
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
         return dict(kernel="hopper_bwd256", ds_wg1=p.softcap == 0.0, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
@@ -163,9 +161,6 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     split = (cfg.tail_split, 0, torch.empty(1)) if atomic_dq and cfg.tail_split > 1 else None
     if split:
         row["tail_split"] = cfg.tail_split
-    if cfg.timeline:  # the step probe's buffer (only its dtype specializes the kernel)
-        B.step_timeline_buffer = torch.empty(1 << 20, dtype=torch.int64)
-        row["timeline"] = True
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq, split)
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
@@ -242,8 +237,7 @@ def all_dq(dtypes=("bf16", "fp16")):
 
 
 def all_variants():
-    """Tile options the dispatch does not use, bf16: the head-dim-256 dK/dV kernel with its
-    ``timeline`` probe stamps (and the 128 dK/dV kernel with its per-step ones), and with K / V
+    """Tile options the dispatch does not use, bf16: the head-dim-256 dK/dV kernel with K / V
     read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
@@ -282,10 +276,6 @@ def all_variants():
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),
                              option=",".join(f"{k}={v}" for k, v in option.items())))
     for f in ("plain", "causal"):
-        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
-                         timeline=True))
-        c = configs.SM90_HOPPER_BWD[128]  # the 64 / 128 kernel's per-step stamps
-        rows.append(compile_bwd(128, "bf16", f, True, cfg=dataclasses.replace(c, timeline=True)))
         rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, reg_a=0)), reg_a=0))
     return rows
 
@@ -329,7 +319,7 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
     ap.add_argument("--variants", action="store_true",
-                    help="tile options not dispatched (each flipped from a tile's value, the timeline probe)")
+                    help="tile options not dispatched (each flipped from a tile's value)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")

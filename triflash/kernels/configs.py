@@ -180,11 +180,8 @@ class HopperBwdConfig:
     # (Not kept: ``early_q``, K and V on two barriers and the first Q loaded before V so
     # that the S^T warpgroup starts without waiting for V: within the rounds' spread,
     # docs/performance.md.)
-    # Probe instrumentation, never dispatched: at 256 (dense) per-CTA clock
-    # stamps into ``hopper.bwd256.timeline_buffer``; at 64 / 128 (hopper/bwd.py)
-    # per-step stamps of each warpgroup into ``hopper.bwd.step_timeline_buffer``
-    # (scripts/bwd_timeline.py, --steps for the latter).
-    timeline: bool = False
+    # (Removed: ``timeline``, probe clock stamps per CTA at 256 and per step at 64 / 128,
+    # scripts/bwd_timeline.py: docs/performance.md.)
     # The first ``reg_a`` (0, 1, 2) of each consumer warpgroup's two 64 x 128 A-operand tiles
     # held in registers instead of read from shared memory by every query block's wgmmas
     # (head dim 256: WG0's K halves for S^T, WG1's V halves for dP'^T; 64 / 128, hopper/bwd.py:

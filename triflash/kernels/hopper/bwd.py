@@ -75,7 +75,7 @@ from . import bwd256, bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
 from .common import (CONSUMER_REGS, LOADER_REGS, Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view,
-                     a_operand, clock, descriptor, global_ns, kernel_head_dim, launch, num_sms, planned_launch, sm_id,
+                     a_operand, descriptor, kernel_head_dim, launch, num_sms, planned_launch,
                      stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
@@ -94,14 +94,12 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ATOMIC_DQ: gl.constexpr, C: gl.constexpr,
-              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, TL=None, TIMELINE: gl.constexpr = 0,
-              DQ_EARLY: gl.constexpr = False):
+              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, DQ_EARLY: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
     returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
     ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
     ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the S^T / dP^T wgmmas' A
-    operands, shared tiles or registers (``REG_A``). ``TIMELINE``: clock stamps at the step's
-    points 0-7 (``_step_stamp``). ``DQ_EARLY``: dQ's wgmmas issued before dK's and dQ reduced
+    operands, shared tiles or registers (``REG_A``). ``DQ_EARLY``: dQ's wgmmas issued before dK's and dQ reduced
     while dK's runs (``configs.HopperBwdConfig.dq_early``)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
@@ -117,7 +115,6 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     phase = (it // STAGES) & 1
     q_buf = q_ring.index(stage)
     do_buf = do_ring.index(stage)
-    _step_stamp(TL, C, it, 0, TIMELINE)
 
     # Per-query statistics come with the tiles (queries are the N axis of S^T): lse_log2 is
     # +inf for rows past len_q and rows that saw no key, so their P is exactly 0; Delta is
@@ -135,7 +132,6 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
-    _step_stamp(TL, C, it, 1, TIMELINE)
     lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
     if SOFTCAP:
         t = tanh(s * qk_scale)
@@ -162,10 +158,8 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
                                is_async=True)
     # dV += P^T dO, P^T from registers
     dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-    _step_stamp(TL, C, it, 2, TIMELINE)
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
     ds = to_16bit(p * dp, dtype)  # dS^T = P^T (dP^T - Delta)
-    _step_stamp(TL, C, it, 3, TIMELINE)
     if ATOMIC_DQ:
         if DQ_LAG:
             # Four slots, block it in slot (it + 1) % 4 (slot 0 holds the zeros of a block
@@ -185,36 +179,26 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         mbarrier.arrive(ds_bars.index(slot))
     if ATOMIC_DQ and DQ_EARLY:
         # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
-        # and reduces dQ while dK's wgmma runs. Stamps: 5 dV and dQ retired, 6 dQ handed to
-        # the reduce, 7 dK retired.
+        # and reduces dQ while dK's wgmma runs.
         dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-        _step_stamp(TL, C, it, 4, TIMELINE)
         dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
-        _step_stamp(TL, C, it, 5, TIMELINE)
         _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
-        _step_stamp(TL, C, it, 6, TIMELINE)
         dk = warpgroup_mma_wait(0, deps=(dk_tok,))
         mbarrier.arrive(free.index(stage))
-        _step_stamp(TL, C, it, 7, TIMELINE)
         return dk, dv
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
     if ATOMIC_DQ:
         dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
-        _step_stamp(TL, C, it, 4, TIMELINE)
         dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
     else:
-        _step_stamp(TL, C, it, 4, TIMELINE)
         dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-    _step_stamp(TL, C, it, 5, TIMELINE)
     # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics are
     # in registers by now): one arrival per warpgroup.
     mbarrier.arrive(free.index(stage))
     if ATOMIC_DQ:
         dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        _step_stamp(TL, C, it, 6, TIMELINE)
         _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
-    _step_stamp(TL, C, it, 7, TIMELINE)
     return dk, dv
 
 
@@ -239,30 +223,6 @@ def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.con
             _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
     else:
         _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
-
-
-@gluon.jit
-def _step_stamp(TL, C: gl.constexpr, it, point: gl.constexpr, TIMELINE: gl.constexpr):
-    """``TIMELINE`` probe (scripts/bwd_timeline.py --steps): warpgroup ``C``'s clock at
-    ``point`` of its query-block step ``it`` where bit ``point`` of ``TIMELINE`` is set;
-    ``TL``: its stamps in this CTA's row (``_step_row``; steps from ``STEP_STEPS`` on are not
-    stamped; one thread stores)."""
-    if (TIMELINE >> point) & 1:
-        if it < _STEP_STEPS:
-            gl.store(TL + it * _STEP_POINTS + point, clock())
-
-
-@gluon.jit
-def _cta_row(TL):
-    """This CTA's row of ``STEP_SLOTS`` in ``TL`` (CTAs in grid order, axis 0 fastest)."""
-    cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    return TL + cta.to(gl.int64) * _STEP_SLOTS
-
-
-@gluon.jit
-def _step_row(TL, C: gl.constexpr):
-    """Where warpgroup ``C``'s step stamps start in this CTA's row of ``TL``."""
-    return _cta_row(TL) + 4 + C * _STEP_STEPS * _STEP_POINTS
 
 
 @gluon.jit
@@ -370,7 +330,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr,
                   REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                  TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
+                  DQ_EARLY: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -393,8 +353,6 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     dv = gl.zeros([KR, DV], gl.float32, ov_layout)
     neg_inv_scale = -1.0 / qk_scale
 
-    if TIMELINE != 0:
-        TL = _step_row(TL, C)
     mbarrier.wait(kv_bar, 0)
     k_a = a_operand(k_buf, REG_A > 0, s_layout)
     v_a = a_operand(v_buf, REG_A > 1, s_layout)
@@ -414,7 +372,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
                                    STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C,
-                                   m_min, m_max, DQ_LAG, TL, TIMELINE, DQ_EARLY)
+                                   m_min, m_max, DQ_LAG, DQ_EARLY)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -476,7 +434,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       REG_A: gl.constexpr,
                       n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                      TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
+                      DQ_EARLY: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -501,12 +459,6 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
         HAS_SEQUSED_Q, HAS_SEQUSED_K)
     if SPLIT > 1:
         m_min, m_full_min, m_full_max, m_max = _piece(m_min, m_full_min, m_full_max, m_max, piece, pieces)
-    if TIMELINE != 0:  # (the row's header: SM, global ns and clock at entry, query-block steps)
-        row = _cta_row(TL)
-        gl.store(row, sm_id().to(gl.int64))
-        gl.store(row + 1, global_ns())
-        gl.store(row + 2, clock())
-        gl.store(row + 3, (group * (m_max - m_min)).to(gl.int64))
 
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, DV], dtype)
@@ -546,7 +498,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, DQ_EARLY)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -554,7 +506,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, DQ_EARLY)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -629,40 +581,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             cfg.reg_a_for(params.softcap),
             n_full, ceil_div(pb.seqlen_k, BLOCK_N), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
             cfg.dq_lag and atomic_dq,  # DQ_LAG
-            _step_timeline(pb, cfg, pieces, n_full) if cfg.timeline else None,  # TL
-            step_points if cfg.timeline else 0,  # TIMELINE
             cfg.dq_early and atomic_dq]  # DQ_EARLY
-
-
-# Probe instrumentation (``HopperBwdConfig.timeline`` at 64 / 128, never dispatched;
-# scripts/bwd_timeline.py --steps): per CTA (grid order, axis 0 fastest) a row of STEP_SLOTS
-# int64 in ``step_timeline_buffer``: 0 SM id, 1 global ns and 2 clock at entry, 3 query-block
-# steps; then for warpgroup C and step i < STEP_STEPS, at 4 + (C * STEP_STEPS + i) *
-# STEP_POINTS, its clock at: 0 the step's start, 1 S^T (and dP^T) retired, 2 P formed and dV
-# issued, 3 dP^T retired and dS^T formed, 4 dK and dQ issued (dS^T stored, both warpgroups'
-# waited for), 5 dV and dK retired, 6 dQ retired, 7 dQ handed to the TMA reduce (the end).
-STEP_STEPS = 32
-STEP_POINTS = 8
-# Which points are stamped (bit i: point i): each stamp's clock read and store cost the 128
-# kernel registers (all eight: 948 B spilled against 104 B; points 0 and 7: 144 B; the 64
-# kernel none), so a probe picks what it needs.
-step_points = 0xFF
-STEP_SLOTS = 4 + 2 * STEP_STEPS * STEP_POINTS
-_STEP_STEPS = gl.constexpr(STEP_STEPS)
-_STEP_POINTS = gl.constexpr(STEP_POINTS)
-_STEP_SLOTS = gl.constexpr(STEP_SLOTS)
-step_timeline_buffer = None
-
-
-def _step_timeline(pb, cfg, pieces, n_full):
-    """The probe's buffer, checked against the launch's CTAs."""
-    n_tiles = ceil_div(pb.seqlen_k, BLOCK_N) * pb.nheads_kv * pb.batch
-    ctas = n_full + pieces * (n_tiles - n_full) if pieces > 1 else n_tiles
-    buf = step_timeline_buffer
-    if buf is None or buf.dtype != torch.int64 or buf.numel() < ctas * STEP_SLOTS:
-        raise ValueError(f"timeline: set hopper.bwd.step_timeline_buffer to an int64 tensor of >= {ctas} x "
-                         f"{STEP_SLOTS}")
-    return buf
 
 
 def stats(pb, out, dout, lse):
@@ -749,7 +668,7 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         def build():
             return grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum, params, cfg,
                                       atomic_dq, split)
-        key = None if pb.varlen or cfg.timeline else (  # dense: a plan per signature (common.planned_launch)
+        key = None if pb.varlen else (  # dense: a plan per signature (common.planned_launch)
             "bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
             dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags, pieces)
         planned_launch(hopper_bwd_kernel, key, tensors, build)

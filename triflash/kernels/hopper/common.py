@@ -74,24 +74,6 @@ def a_operand(buf, IN_REGISTERS: gl.constexpr, acc_layout: gl.constexpr):
 
 
 @gluon.jit
-def clock():
-    """This SM's cycle counter (``%clock64``; probe instrumentation)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def global_ns():
-    """The GPU's global nanosecond timer (``%globaltimer``; probe instrumentation)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def sm_id():
-    """The SM this CTA runs on (``%smid``; probe instrumentation)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _tma_view(buf, desc):
     """A 2D [rows, dim] smem tile seen as the rank-4 (1, rows, 1, dim) box of ``desc``."""
     return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
