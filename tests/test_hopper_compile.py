@@ -112,7 +112,8 @@ HOPPER_BWD_SPILL_BUDGET = {
 # 9878a6e: plain 104 B, causal 96 B, window + softcap 636 B, almost all of it outside the
 # query-block loop (prologue stores, epilogue loads). It ran 1.10x / 1.15x the separate-dQ
 # backward (`benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json`
-# at fb45c0d). With dq_early (dispatched): plain 52 B, causal 96 B, window + softcap 528 B.
+# at fb45c0d). With dQ's wgmmas before dK's (every tile): plain 52 B, causal 96 B, window +
+# softcap 528 B.
 # At 64 with the dQ one block later (dq_lag, dispatched there): plain and causal
 # spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
 # to the window bounds and the tanh terms).
@@ -122,7 +123,7 @@ HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 704,
 }
-# The same kernels splitting the last wave (``tail_split``, 4 pieces; plain only): 32 B at 64
+# The same kernels splitting the last wave (``hopper.bwd.tail_pieces``, 4 pieces; plain only): 32 B at 64
 # and 52 B at 128 measured, the piece's range and slot computed at entry (the 64 kernel with
 # 4 pieces ran 1.4% and 6% faster than without the split in interleaved rounds,
 # `benchmarks/results/probes/bwd-probe-rounds-d64-split-*.json` at fb45c0d).
@@ -130,7 +131,7 @@ HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
 # The in-kernel dQ one block later (dq_lag, dispatched at 64), bf16: 64 spills
 # nothing (window + softcap 56 B); 128 plain 88 B (none inside the query-block loops,
 # SASS), causal 500 B (some in them: 12-15 spill instructions per masked block of one
-# warpgroup). With dq_early (dispatched at 128) 128 plain 52 B, causal 668 B.
+# warpgroup). With dQ's wgmmas before dK's (every tile) 128 plain 52 B, causal 668 B.
 HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128, and at 256
 # without a mask: 256 spills nothing there), bf16: at
@@ -212,7 +213,7 @@ BUDGETS_BY_TRITON = {
         "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 1024},  # 968 B (976 B at 96)
         # dK/dV under the causal mask: 128 dense 60 B, varlen 100 B; 256 68 / 44 B
         "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
-        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B (372 B dq_early=0)
+        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B
         "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 256): 160},  # (an option row)
     },
 }
@@ -274,7 +275,7 @@ def test_hopper_backward_compiles_for_sm90a():
     dim 256), fp16 and bf16, plain / causal / window+softcap, dense and (bf16) varlen, as
     dispatched: no per-thread atomics; where the tile has ``atomic_dq`` (deterministic=False,
     dense) also the variant that adds dQ by TMA reduce-add, with the tile's ring depth, and
-    where the tile splits the last wave (``tail_split``) that kernel (plain); the
+    its kernel splitting the last wave (``hopper.bwd.tail_pieces``, plain); the
     padded head dims (96, 192: dense and varlen, bf16) with the tile of the width they are
     computed at, held to that width's budgets."""
     from triflash.kernels import configs
@@ -290,7 +291,7 @@ def test_hopper_backward_compiles_for_sm90a():
     assert {r["headdim"] for r in rows if r["atomic_dq"]} == {
         d for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq}
     assert {(r["headdim"], r["dtype"]) for r in rows if r.get("tail_split")} == {
-        (d, dt) for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq and c.tail_split != 1
+        (d, dt) for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq
         for dt in ("bf16", "fp16")}
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
@@ -335,7 +336,7 @@ def test_tile_variants_compile_for_sm90a():
     read from shared memory (``reg_a`` 0; the dispatched kernel's is 1). (The head-dim-64 dK/dV
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs`` are dispatched: the tests
     above compile them in every form.) The 64 / 128
-    dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
+    dK/dV kernel with ``dq_lag`` flipped from the dispatched value; the
     forward with each row's max of S by a tree
     (``tree_max``), and at 256 the persistent walk of unmasked
     tiles (``persistent_unmasked``, one Q slot), at 128 / 256 the walk without the split tail
@@ -347,14 +348,14 @@ def test_tile_variants_compile_for_sm90a():
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("rescale_early")} == {
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
-        (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag", "dq_early")
+        (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag",)
         for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
         (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
         for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
     for r in rows:
         if r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
-        elif r["kernel"] == "hopper_bwd":  # the in-kernel dQ's budget (dq_early either way)
+        elif r["kernel"] == "hopper_bwd":  # the in-kernel dQ's budget
             budget = HOPPER_BWD_ATOMIC_SPILL_BUDGET
         elif r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET

@@ -349,9 +349,8 @@ def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch)
 
 # Backward options (HopperBwdConfig), each flipped from its dispatched value: ``dq_lag``
 # (each query block's dQ added one block later, four dS^T slots, a zero block first;
-# dispatched at 64) and ``dq_early`` (dQ's wgmmas before dK's, dQ reduced while dK runs;
-# dispatched at 64 and 128).
-BWD_DQ_OPTIONS = ("dq_lag", "dq_early")
+# dispatched at 64).
+BWD_DQ_OPTIONS = ("dq_lag",)
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
@@ -437,17 +436,15 @@ def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 @pytest.mark.option
 def test_hopper_bwd_tail_split(d, pieces, softcap, shape, monkeypatch):
-    """``tail_split`` forced: every key tile of the dK/dV kernel runs as ``pieces`` CTAs over
+    """The last-wave split forced (``hopper.bwd.tail_pieces`` answering ``pieces``): every
+    key tile of the dK/dV kernel runs as ``pieces`` CTAs over
     parts of its query blocks (fewer blocks than pieces leave pieces empty: 1 x 1), each
     adding fp32 dK / dV into the split tiles' buffer that ``_split_fixup_kernel`` writes out
     (rows past seqlen_k, columns past a padded head dim not written); held to FA3's
     tolerance against the fp32 reference. No mask: the split serves only unmasked tiles."""
-    import dataclasses
-    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd as hbwd
     sq, sk, h, hk = shape
-    tile = 128 if d == 96 else d
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile,
-                        dataclasses.replace(configs.SM90_HOPPER_BWD[tile], tail_split=pieces))
+    monkeypatch.setattr(hbwd, "tail_pieces", lambda n_tiles, n_sm: pieces)
     with triflash.force_backend("hopper"):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, False, (-1, -1), softcap)
 
@@ -457,10 +454,8 @@ def test_hopper_bwd_tail_split_auto(d):
     """The dispatched tiles split the last wave where ``tail_pieces`` says so: a shape with a
     few key tiles more than the GPU has SMs, (GQA, seqlen not a multiple of the tile) against
     the reference; the same shape under a causal mask does not split and is checked too."""
-    from triflash.kernels import configs
     from triflash.kernels.hopper import bwd as hbwd
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert configs.SM90_HOPPER_BWD[d].tail_split == 0
     hk = 8
     tiles = sms // hk + 1  # key tiles per KV head: a few more tiles than SMs in all
     sk = tiles * 128 - 37

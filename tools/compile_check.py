@@ -131,11 +131,12 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
 
 
 def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False, cfg=None,
-                varlen: bool = False) -> dict:
+                varlen: bool = False, pieces: int = 1) -> dict:
     """The dK/dV kernel the dispatch runs at ``headdim`` with the tile of
     ``configs.SM90_HOPPER_BWD`` (or ``cfg``): ``hopper/bwd.py``'s, or ``hopper/bwd256.py``'s
     at head dim 256; ``atomic_dq``: with the in-kernel dQ (TMA reduce-add, the
-    deterministic=False launch where the tile has ``atomic_dq``);
+    deterministic=False launch where the tile has ``atomic_dq``), and with ``pieces`` > 1
+    the launch that splits the last wave's key tiles (``hopper.bwd.tail_pieces``);
     ``varlen``: packed sequences."""
     import torch
 
@@ -148,8 +149,6 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if cfg.dq_lag and atomic_dq:
         row["dq_lag"] = True
-    if cfg.dq_early and atomic_dq:
-        row["dq_early"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
@@ -157,10 +156,10 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
         return dict(kernel="hopper_bwd256", ds_wg1=p.softcap == 0.0, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
-    # a tile with tail_split > 1 forces the split launch (every key tile in that many pieces)
-    split = (cfg.tail_split, 0, torch.empty(1)) if atomic_dq and cfg.tail_split > 1 else None
+    # pieces > 1 forces the split launch (every key tile in that many pieces; bwd.tail_pieces)
+    split = (pieces, 0, torch.empty(1)) if atomic_dq and pieces > 1 else None
     if split:
-        row["tail_split"] = cfg.tail_split
+        row["tail_split"] = pieces
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq, split)
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
@@ -198,20 +197,18 @@ def all_fwd(dtypes=("bf16", "fp16")):
 
 def all_bwd(dtypes=("bf16", "fp16")):
     """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16;
-    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too, and where
-    it splits the last wave (``tail_split``) the split kernel without a mask; the
+    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too, and its
+    kernel splitting the last wave (``hopper.bwd.tail_pieces``) without a mask; the
     padded head dims (96, 192) in bf16, dense and varlen."""
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     dims = sorted(configs.SM90_HOPPER_BWD)
     modes = {d: (False, True) if configs.SM90_HOPPER_BWD[kernel_head_dim(d)].atomic_dq else (False,)
              for d in dims + sorted(PADDED_HEAD_DIMS)}
-    import dataclasses
-    split = [d for d in dims if configs.SM90_HOPPER_BWD[d].atomic_dq and configs.SM90_HOPPER_BWD[d].tail_split != 1]
+    split = [d for d in dims if configs.SM90_HOPPER_BWD[d].atomic_dq]
     return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes for f in FEATURES for a in modes[d]]
             # the last wave split in pieces (hopper.bwd.tail_pieces: 4), served without a mask
-            + [compile_bwd(d, dt, "plain", True, cfg=dataclasses.replace(configs.SM90_HOPPER_BWD[d], tail_split=4))
-               for d in split for dt in dtypes]
+            + [compile_bwd(d, dt, "plain", True, pieces=4) for d in split for dt in dtypes]
             + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
             + [compile_bwd(d, "bf16", f, a) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES
                for a in modes[d]]
@@ -241,8 +238,7 @@ def all_variants():
     read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
-    and ``dq_early`` (its dQ wgmmas before dK's) each flipped from the dispatched value (row
-    key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
+    flipped from the dispatched value (row key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
     and V's slots (``dq_split_v`` off), and the forward rescaling O before P V
     (``rescale_early``) and with its row max by a tree (``tree_max``)."""
     import dataclasses
@@ -255,9 +251,8 @@ def all_variants():
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_FWD[d],
                                                                                 rescale_early=True)),
                              rescale_early=True))
-    # the 64 / 128 dK/dV kernel with each dQ-order option flipped from its dispatched value:
-    # the in-kernel dQ one block later (dq_lag) and dQ's wgmmas before dK's (dq_early)
-    for opt in ("dq_lag", "dq_early"):
+    # the 64 / 128 dK/dV kernel with the in-kernel dQ one block later (dq_lag) flipped
+    for opt in ("dq_lag",):
         for d in (64, 128):
             c = configs.SM90_HOPPER_BWD[d]
             value = not getattr(c, opt)

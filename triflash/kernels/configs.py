@@ -200,12 +200,10 @@ class HopperBwdConfig:
     reg_a: int = 0
     # (Not kept: ``stagger``, WG1's dP'^T issued after WG0's S^T so that the tensor cores
     # run it during WG0's exponentials: slower, docs/performance.md.)
-    # hopper/bwd.py with the in-kernel dQ and no mask: the key tiles of the last, partial wave
-    # of CTAs each run as ``hopper.bwd.tail_pieces`` CTAs over parts of its query blocks,
-    # storing fp32 dK / dV that a small kernel sums and writes out (4096 tiles on 132 SMs:
-    # the last 4 in quarters). 1: never; 0: where tail_pieces says it pays; P > 1: every
-    # shape, P pieces (tests).
-    tail_split: int = 1
+    # (Every tile with the in-kernel dQ, no mask: the key tiles of the last, partial wave of
+    # CTAs each run as ``hopper.bwd.tail_pieces`` CTAs over parts of their query blocks
+    # where it says that pays, storing fp32 dK / dV that a small kernel sums and writes out;
+    # never splitting: docs/performance.md.)
     # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued one block later
     # (four dS^T slots, the first step's dQ that of a zero block), so that a warpgroup
     # waits for the other's dS^T of the block before, not of this one: the two warpgroups
@@ -218,16 +216,8 @@ class HopperBwdConfig:
     dq_lag: bool = False
     # (Not kept: ``dq_alt``, the warpgroups taking turns at whole dQ row blocks: slower,
     # docs/performance.md.)
-    # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued before its dK
-    # wgmma, so that they retire first and the warpgroup stages and reduces its dQ slice while
-    # dK's wgmma runs (without it dQ is issued last and reduced after every wgmma of the step
-    # has retired). FA4's sm90 backward orders them this way (dV, both warpgroups' dS^T, dQ,
-    # wait for dV, dK, wait for dQ, stage dQ, wait for dK). Measured (medians off -> on,
-    # beside cuDNN, probes/bwd-probe-rounds-d{64,128}-df641a1.json at fb45c0d): 128
-    # 2x8192x16 529.1 -> 534.6 / 492.6 -> 498.9 (cuDNN 524.9 / 479.2), 64 2x8192x32 (with
-    # dq_lag) 450.4 -> 451.8 / 428.7 -> 435.8 (cuDNN 435.4 / 396.5); faster in every paired
-    # round that neither side lost to the card's noise. Dispatched at 64 and 128.
-    dq_early: bool = False
+    # (Every tile with the in-kernel dQ: each query block's dQ wgmmas issued before its dK
+    # wgmma, FA4's sm90 order, ``hopper.bwd._bwd_step``; dQ issued last: docs/performance.md.)
     # (Not kept: ``s_first``, S^T issued before dP^T so that P's exponentials run under dP^T
     # (FA4's sm90 order): slower at 128, within the spread at 64, docs/performance.md.)
 
@@ -338,9 +328,8 @@ def flipped(cfg, name):
 # 536.0 / 488.3, separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs
 # 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
-                        tail_split=0, dq_lag=True, dq_early=True),
-    128: HopperBwdConfig(stages=4, atomic_dq=True, atomic_stages=2, tail_split=0, dq_early=True),
+    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2, dq_lag=True),
+    128: HopperBwdConfig(stages=4, atomic_dq=True, atomic_stages=2),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles for dense batches, V in one slot of its own:

@@ -94,13 +94,12 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               ATOMIC_DQ: gl.constexpr, C: gl.constexpr,
-              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, DQ_EARLY: gl.constexpr = False):
+              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
     returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
     ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
     ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the S^T / dP^T wgmmas' A
-    operands, shared tiles or registers (``REG_A``). ``DQ_EARLY``: dQ's wgmmas issued before dK's and dQ reduced
-    while dK's runs (``configs.HopperBwdConfig.dq_early``)."""
+    operands, shared tiles or registers (``REG_A``)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -177,9 +176,10 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
-    if ATOMIC_DQ and DQ_EARLY:
+    if ATOMIC_DQ:
         # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
-        # and reduces dQ while dK's wgmma runs.
+        # and reduces dQ while dK's wgmma runs (dQ after dK: docs/performance.md, "Tried and
+        # not kept").
         dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
         dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
@@ -188,17 +188,10 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         mbarrier.arrive(free.index(stage))
         return dk, dv
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-    if ATOMIC_DQ:
-        dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
-        dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
-    else:
-        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
     # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics are
     # in registers by now): one arrival per warpgroup.
     mbarrier.arrive(free.index(stage))
-    if ATOMIC_DQ:
-        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
     return dk, dv
 
 
@@ -329,8 +322,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                  DQ_EARLY: gl.constexpr = False):
+                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -372,7 +364,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
                                    STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C,
-                                   m_min, m_max, DQ_LAG, DQ_EARLY)
+                                   m_min, m_max, DQ_LAG)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -433,8 +425,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       REG_A: gl.constexpr,
-                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                      DQ_EARLY: gl.constexpr = False):
+                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -498,7 +489,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, DQ_EARLY)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
@@ -506,7 +497,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                           STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, DQ_EARLY)),
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -580,8 +571,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, q.shape[-1],  # .., HEAD_DIM
             cfg.reg_a_for(params.softcap),
             n_full, ceil_div(pb.seqlen_k, BLOCK_N), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
-            cfg.dq_lag and atomic_dq,  # DQ_LAG
-            cfg.dq_early and atomic_dq]  # DQ_EARLY
+            cfg.dq_lag and atomic_dq]  # DQ_LAG
 
 
 def stats(pb, out, dout, lse):
@@ -647,9 +637,9 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     n_tiles = grid[0] * grid[1] * grid[2]
     pieces, n_split = 1, 0  # the last wave's n_split tiles in pieces (tail_pieces)
-    if atomic_dq and params.window_left < 0 and params.window_right < 0 and cfg.tail_split != 1:
+    if atomic_dq and params.window_left < 0 and params.window_right < 0:
         sms = num_sms(q.device)
-        pieces = cfg.tail_split or tail_pieces(n_tiles, sms)
+        pieces = tail_pieces(n_tiles, sms)
         n_split = n_tiles % sms or n_tiles
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg)
