@@ -195,7 +195,7 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
 # (bf16); measured with those spills, +0.7% / +1.5% non-causal / causal in five interleaved
 # rounds (configs.HopperFwdConfig.rescale_early).
-# With tree_max, sum_partial and the round robin of turns (dispatched): plain
+# With tree_max, the per-thread partial row sums and the round robin of turns (dispatched): plain
 # and causal nothing, window + softcap 52 B.
 HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32, ("window-softcap", 64): 64}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
