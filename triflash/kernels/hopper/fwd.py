@@ -2,10 +2,10 @@
 
 One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, head):
 
-* **loader** (1 warp, few registers): TMA-loads each consumer's 64-row Q tile once, then
-  streams K and V tiles of the visited key blocks into ``STAGES``-deep rings. Each slot has
-  a ``ready`` barrier (TMA completes it with the byte count) and a ``free`` barrier (every
-  consumer arrives when its wgmma has read the slot).
+* **loader** (1 warp, few registers; ``hopper/fwd_loader.py``): TMA-loads each consumer's
+  64-row Q tile once, then streams K and V tiles of the visited key blocks into
+  ``STAGES``-deep rings. Each slot has a ``ready`` barrier (TMA completes it with the byte
+  count) and a ``free`` barrier (every consumer arrives when its wgmma has read the slot).
 * **consumers** (one warpgroup each, 64 query rows each): per key block
   ``S = Q K^T`` (wgmma, shared x shared), online softmax in registers (exp2, scale folded
   into log2 e), ``O += P V`` with P kept in registers as the wgmma A operand. The QK^T of
@@ -45,13 +45,13 @@ the portable kernels): other head dims, headdim_v != headdim.
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ..common import ceil_div, n_block_range, scores, visible
 from .common import (LOADER_REGS, SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile,
-                     _tile_at, _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, launch, num_sms,
-                     persistent_walk, planned_launch, schedule_table, split_plan, to_16bit)
+                     _tile_walk, a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk,
+                     planned_launch, schedule_table, split_plan, to_16bit)
+from .fwd_loader import _clip_blocks, _fwd_loader, _piece_at, _q_slot
 from .split_combine import combine_args, split_combine_kernel
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
@@ -68,85 +68,6 @@ SCHEDULE_OVERHEAD = 1
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
-                k_ready, v_ready, k_free, v_free,
-                num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
-                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[1]
-    kv_base = 0
-    local = 0
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
-    for walk in range(first, end, step):
-        tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
-        (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
-         n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-            tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
-            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
-        if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
-            n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
-        # The Q tiles double as the O staging of the tile that last used the slot: wait for
-        # its stores (with two slots the next tile's Q loads while this one is computed).
-        # A fresh barrier counts as having completed the phase before 0.
-        slot, use = _q_slot(local, Q_SLOTS)
-        mbarrier.wait(q_free.index(slot), (use & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
-        for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0],
-                                            q_ready.index(slot),
-                                            _tma_view(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
-        count = n_max - n_min
-        for it in range(count):
-            n = n_max - 1 - it
-            g = kv_base + it
-            stage = g % STAGES
-            phase = (g // STAGES) & 1
-            mbarrier.wait(k_free.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                                            k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
-            mbarrier.wait(v_free.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                                            v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
-        kv_base += count
-        local += 1
-
-
-@gluon.jit
-def _piece_at(walk, SCHED, SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
-    """(tile, lo, hi, piece) at position ``walk`` of ``_tile_walk``: with ``PIECES`` an
-    entry of the host's ``common.split_table`` (key blocks [lo, hi) of the tile, ``piece``
-    its partial output's slot, -1 for the whole tile), else the whole tile."""
-    if PIECES:
-        at = SCHED + gl.num_programs(0) + 1 + 4 * walk
-        tile = gl.load(at)
-        lo = gl.load(at + 1)
-        hi = gl.load(at + 2)
-        piece = gl.load(at + 3)
-    else:
-        tile = _tile_at(walk, SCHED, SCHEDULED)
-        lo = 0
-        hi = 0
-        piece = -1
-    return tile, lo, hi, piece
-
-
-@gluon.jit
-def _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max):
-    """A tile's key block range (``n_block_range``'s four) cut to the piece [lo, hi)."""
-    n_min = gl.maximum(n_min, lo)
-    n_max = gl.maximum(gl.minimum(n_max, hi), n_min)
-    n_full_min = gl.minimum(gl.maximum(n_full_min, n_min), n_max)
-    n_full_max = gl.maximum(gl.minimum(n_full_max, n_max), n_full_min)
-    return n_min, n_full_min, n_full_max, n_max
-
-
-@gluon.jit
 def _store_piece(out, lse, WS, WSL, piece, row_off, BMT: gl.constexpr, o_layout: gl.constexpr,
                  row_layout: gl.constexpr):
     """A piece's partial output (fp32, normalized by its own row sums) and log-sum-exp, rows
@@ -159,15 +80,6 @@ def _store_piece(out, lse, WS, WSL, piece, row_off, BMT: gl.constexpr, o_layout:
     cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     gl.store(WS + gl.expand_dims(o_rows * DV, 1) + gl.expand_dims(cols, 0), out)
     gl.store(WSL + base + gl.arange(0, BM, layout=row_layout), lse)
-
-
-@gluon.jit
-def _q_slot(local, Q_SLOTS: gl.constexpr):
-    """(Q slot, how many times it was used before) of the CTA's ``local``-th tile."""
-    if Q_SLOTS == 1:
-        return 0, local
-    else:
-        return local % Q_SLOTS, local // Q_SLOTS
 
 
 @gluon.jit
