@@ -48,10 +48,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ..common import ceil_div, n_block_range, scores, visible
-from .common import (LOADER_REGS, SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile,
+from .common import (LOADER_REGS, SCHEDULE_MAX_TILES, Problem, _acc_layout, _store_query_tile,
                      _tile_walk, a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk,
                      planned_launch, schedule_table, split_plan, to_16bit)
-from .fwd_loader import _clip_blocks, _fwd_loader, _piece_at, _q_slot
+from .fwd_loader import Tiles, _clip_blocks, _fwd_loader, _piece_at, _q_slot
 from .split_combine import combine_args, split_combine_kernel
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
@@ -351,8 +351,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 @gluon.jit
 def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
                   v_free, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
-                  num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                  tiles, SCHED, WS, WSL,
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -373,14 +372,13 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
     _first_turn(CID)
     kv_base = 0
     local = 0
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
+    first, end, step = _tile_walk(tiles.num_tiles, SCHED, SCHEDULED)
     for walk in range(first, end, step):
         tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
-         n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-            tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
-            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+         n_min, n_full_min, n_full_max, n_max) = tiles.query_tile(
+            tile, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+            HAS_SEQUSED_Q, HAS_SEQUSED_K)
         if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
             n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
         row_start = row0 + CID * BM
@@ -548,15 +546,16 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0))
 
-    # (Gluon takes each partition's arguments spelled out: a shared tuple would turn the
-    # constexprs into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
+    tiles = Tiles(num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                  CU_Q, CU_K, USED_Q, USED_K)
+    # (Gluon takes each partition's constexpr arguments spelled out: a shared tuple would turn
+    # them into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
     if NUM_CONSUMERS == 3:
         gl.warp_specialize(
             [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
@@ -564,8 +563,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
@@ -573,16 +571,14 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
-                        num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
+                        tiles, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
                         HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -591,8 +587,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
             [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
@@ -600,16 +595,14 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
                           k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
                           BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
                           OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
-                        num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
+                        tiles, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
                         HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -14,19 +14,76 @@ of tiles it shares with the consumer warpgroups.
   an entry of the host's table is a whole tile or a piece, key blocks [lo, hi) of one.
 * ``_q_slot``: which of the ``Q_SLOTS`` Q tiles a tile uses (two: the next tile's Q loads
   while this one is computed).
+* ``Tiles``: the kernel's arguments that place a tile (the launch's tile count and order,
+  heads, sequence lengths and their cu_seqlens / seqused pointers), one value for the
+  loader and the consumers instead of thirteen arguments each.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.core import _aggregate as aggregate
 
 from .common import _seq_query_tile, _tile_at, _tile_walk, _tma_view
+
+
+@gluon.constexpr_function
+def _field(x):
+    """A kernel argument as an aggregate field: a value, or a constant where Triton
+    specialized the argument (an integer argument equal to 1, e.g. one KV head)."""
+    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
+
+
+# (Triton's aggregates: ``triton.language.core._aggregate`` in 3.6 and 3.8; the kernel's PTX
+# is the same as with the arguments spelled out.)
+@aggregate
+class Tiles:
+    """What places tile ``tile`` of the launch (``common._seq_query_tile``)."""
+    num_tiles: (gl.tensor, gl.constexpr)
+    num_m_blocks: (gl.tensor, gl.constexpr)
+    section_heads: (gl.tensor, gl.constexpr)
+    nheads: (gl.tensor, gl.constexpr)
+    nheads_kv: (gl.tensor, gl.constexpr)
+    seqlen_q: (gl.tensor, gl.constexpr)
+    seqlen_k: (gl.tensor, gl.constexpr)
+    total_q: (gl.tensor, gl.constexpr)
+    total_k: (gl.tensor, gl.constexpr)
+    CU_Q: (gl.tensor, gl.constexpr)
+    CU_K: (gl.tensor, gl.constexpr)
+    USED_Q: (gl.tensor, gl.constexpr)
+    USED_K: (gl.tensor, gl.constexpr)
+
+    @gluon.constexpr_function
+    def __init__(self, num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q,
+                 total_k, CU_Q, CU_K, USED_Q, USED_K):
+        self.num_tiles = _field(num_tiles)
+        self.num_m_blocks = _field(num_m_blocks)
+        self.section_heads = _field(section_heads)
+        self.nheads = _field(nheads)
+        self.nheads_kv = _field(nheads_kv)
+        self.seqlen_q = _field(seqlen_q)
+        self.seqlen_k = _field(seqlen_k)
+        self.total_q = _field(total_q)
+        self.total_k = _field(total_k)
+        self.CU_Q = _field(CU_Q)
+        self.CU_K = _field(CU_K)
+        self.USED_Q = _field(USED_Q)
+        self.USED_K = _field(USED_K)
+
+    @gluon.jit
+    def query_tile(self, tile, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
+        """``common._seq_query_tile`` of ``tile``."""
+        return _seq_query_tile(tile, self.num_m_blocks, self.section_heads, self.nheads, self.nheads_kv,
+                               self.seqlen_q, self.seqlen_k, self.total_q, self.total_k, self.CU_Q, self.CU_K,
+                               self.USED_Q, self.USED_K, window_left, window_right, BLOCK_M, BLOCK_N,
+                               HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
 
 
 @gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                 k_ready, v_ready, k_free, v_free,
-                num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
+                tiles, SCHED, window_left, window_right,
                 NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
                 HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
@@ -34,14 +91,13 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
     BM: gl.constexpr = q_desc.block_type.shape[1]
     kv_base = 0
     local = 0
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
+    first, end, step = _tile_walk(tiles.num_tiles, SCHED, SCHEDULED)
     for walk in range(first, end, step):
         tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
-         n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-            tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
-            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+         n_min, n_full_min, n_full_max, n_max) = tiles.query_tile(
+            tile, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+            HAS_SEQUSED_Q, HAS_SEQUSED_K)
         if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
             n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
         # The Q tiles double as the O staging of the tile that last used the slot: wait for
