@@ -139,9 +139,10 @@ HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
 # At 256 under the causal mask (not dispatched there: O is rescaled late under masks) 148 B.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256, ("causal", 256): 160}
-# 128 plain, the persistent walk without the split tail's pieces (split_keys off): 484 B;
-# 128 causal with tree_max (off there) 28 B
-HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96, ("causal", 128): 32}
+# 128 plain, the persistent walk without the split tail's pieces (split_keys off): 496 B
+# (428 B under triton 3.8); 128 causal with tree_max (off there) 28 B (3.8: 0 B). The other
+# option rows keep the dispatched tiles' budgets (causal at 256: 0 B under 3.6 and 3.8).
+HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 128): 32}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
@@ -214,7 +215,6 @@ BUDGETS_BY_TRITON = {
         # dK/dV under the causal mask: 128 dense 60 B, varlen 100 B; 256 68 / 44 B
         "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
         "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B
-        "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 256): 160},  # (an option row)
     },
 }
 for _name, _overlay in BUDGETS_BY_TRITON.get(triton_release(), {}).items():
