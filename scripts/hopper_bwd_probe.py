@@ -3,7 +3,7 @@ against the fp32 reference, then backward speed beside the portable backward and
 
     python scripts/hopper_bwd_probe.py check|speed|rounds [--out DIR] [--deterministic]
                                        [--config stages=3,atomic_dq=1,...]
-    python scripts/hopper_bwd_probe.py rounds --headdims 256 [--variants ';ds_wg1=0']
+    python scripts/hopper_bwd_probe.py rounds --headdims 256 [--variants ';reg_a=0']
     python scripts/hopper_bwd_probe.py rounds --cases 2x8192x16x128 --variants ';api'
     python scripts/hopper_bwd_probe.py paths --cases 2x8192x16x128 --causal false
 

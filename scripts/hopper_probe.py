@@ -1,7 +1,8 @@
 """Quick H200 probe of the Hopper (Gluon) tier: correctness against the fp32 reference, then
-forward speed beside the portable tier and SDPA-cuDNN, then tile variants.
+forward speed beside the portable tier and SDPA-cuDNN, then tile variants in interleaved
+rounds.
 
-    python scripts/hopper_probe.py check|speed|tiles [--out DIR]
+    python scripts/hopper_probe.py check|speed|rounds [--out DIR]
 
 Each part is meant to run in its own process under `timeout` (a deadlocked kernel must not
 eat the device call). Results: DIR/probe-<part>.json and lines on stdout.
@@ -47,7 +48,7 @@ QUICK_FWD = [1, 2, 4, 8, 9, 10, 14, 15, 16]
 
 
 def _apply_overrides(spec):
-    """'pingpong=1,persistent=0,stages=3' applied to every SM90_HOPPER_FWD entry; an item
+    """'tree_max=1,q_slots=1,stages=3' applied to every SM90_HOPPER_FWD entry; an item
     'D:key=val' (e.g. '256:stages=3') to head dim D's tile only."""
     import dataclasses
     if not spec:
@@ -139,37 +140,6 @@ def speed(args):
     return results
 
 
-def tiles(args):
-    """Schedule variants (pingpong x persistent) of each head dim's tile, 8k and 1k tokens."""
-    import dataclasses
-    results = []
-    base = dict(configs.SM90_HOPPER_FWD)
-    shapes = {64: [(2, 8192, 32)], 128: [(2, 8192, 16), (16, 1024, 16)],
-              256: [(1, 8192, 36), (16, 1024, 8)]}
-    for d, shape_list in shapes.items():
-        for pp in (False, True):
-            for pers in (False, True):
-                configs.SM90_HOPPER_FWD[d] = dataclasses.replace(base[d], pingpong=pp, persistent=pers)
-                for (b, s, h) in shape_list:
-                    for causal in (False, True):
-                        try:
-                            t = round(_fwd_tflops(b, s, h, d, causal, "hopper"), 1)
-                        except Exception as e:
-                            t = f"{type(e).__name__}: {str(e)[:200]}"
-                        row = dict(d=d, shape=f"{b}x{s}x{h}", pingpong=pp, persistent=pers,
-                                   causal=causal, tflops=t)
-                        print(json.dumps(row), flush=True)
-                        results.append(row)
-        configs.SM90_HOPPER_FWD[d] = base[d]
-    for (b, s, h, d) in [(2, 8192, 32, 64), (16, 1024, 16, 128), (16, 1024, 8, 256)]:
-        for causal in (False, True):
-            row = dict(d=d, shape=f"{b}x{s}x{h}", impl="cudnn", causal=causal,
-                       tflops=round(_fwd_tflops(b, s, h, d, causal, "cudnn"), 1))
-            print(json.dumps(row), flush=True)
-            results.append(row)
-    return results
-
-
 def round_cases(args, default):
     """The shapes of a ``rounds`` part: ``--cases`` (BxSxHxD,...), else ``default`` at
     ``--headdims`` (shared by scripts/hopper_bwd_probe.py)."""
@@ -214,17 +184,17 @@ def rounds(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["check", "speed", "tiles", "rounds"])
+    ap.add_argument("part", choices=["check", "speed", "rounds"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--config", default=os.environ.get("HOPPER_FWD_CONFIG", ""),
-                    help="overrides for every SM90_HOPPER_FWD entry, e.g. pingpong=1,persistent=1")
+                    help="overrides for every SM90_HOPPER_FWD entry, e.g. tree_max=1,q_slots=1")
     ap.add_argument("--grads", action="store_true", help="check dq/dk/dv too (slow: compiles the bwd)")
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256],
                     help="check / speed: only these head dims")
     ap.add_argument("--tag", default="", help="appended to the output file name")
     ap.add_argument("--quick", action="store_true", help="check: bf16 and 9 of the cases")
     ap.add_argument("--impls", default="hopper,portable,cudnn", help="speed: these, in this order")
-    ap.add_argument("--variants", default=";persistent=1", help="rounds: override specs, ';'-separated")
+    ap.add_argument("--variants", default=";q_slots=1", help="rounds: override specs, ';'-separated")
     ap.add_argument("--rounds", type=int, default=3, help="rounds: interleaved rounds per case")
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
     ap.add_argument("--cases", default="", help="rounds: BxSxHxD,... instead of SPEED_CASES")

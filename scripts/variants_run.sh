@@ -3,7 +3,7 @@
 # are --config specs, '' = as dispatched):
 # their GPU tests first, then forward and backward variants in interleaved rounds beside
 # cuDNN. Each step under its own timeout; results under OUT_DIR.
-# Usage (repo root, on the H200):  [STEPS="tests same bwd256 bwd128 bwd64 fwd steps fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
+# Usage (repo root, on the H200):  [STEPS="tests same bwd256 bwd128 bwd64 fwd fixed"] bash scripts/variants_run.sh COMMIT OUT_DIR
 # (all six take ~10 minutes: two device calls, e.g. STEPS="tests bwd256 fixed", then
 # STEPS="bwd128 bwd64 fwd")
 set -u
@@ -25,7 +25,7 @@ STEPS=" ${STEPS:-tests bwd256 bwd128 fwd} "
 [[ -n "${FIXED_COST:-}" ]] && STEPS="$STEPS fixed "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 has tests && step tests "${T_TESTS:-240}" python3 -m pytest tests/test_hopper_tier.py -n 12 -p no:cacheprovider -q --tb=short \
-  -k "${TEST_K:-packed_cvt or timeline or reg_a or q_regs}"
+  -k "${TEST_K:-reg_a or q_regs}"
 # forward options that must not change the outputs (SAME_VARIANTS): bitwise against the dispatched tiles
 [[ -n "${SAME_VARIANTS:-}" ]] && has same && step same "${T_SAME:-120}" python3 scripts/same_outputs.py \
   --variants "$SAME_VARIANTS"
@@ -40,11 +40,6 @@ has bwd64 && step bwd64 "${T_BWD64:-80}" python3 scripts/hopper_bwd_probe.py rou
 has fwd && step fwd "${T_FWD:-120}" python3 scripts/hopper_probe.py rounds --rounds 5 \
   --cases "${FWD_CASES:-2x8192x32x64,2x8192x16x128,1x8192x36x256,16x1024x16x128}" --variants "${FWD_VARIANTS:-;q_regs=1}" \
   --out "$OUT_DIR" --tag="-$COMMIT"
-# per-step clock stamps of the 64 / 128 dK/dV kernel (scripts/bwd_timeline.py --steps): every
-# point at 64 (no spill there), points 0,7 and 0,3,5,7 at 128 (each stamp costs it registers)
-has steps && step steps "${T_STEPS:-200}" bash -c "python3 scripts/bwd_timeline.py --steps --cases 2x8192x32x64 \
-  --out $OUT_DIR && python3 scripts/bwd_timeline.py --steps --cases 2x8192x16x128 --points 0,7 --out $OUT_DIR \
-  && python3 scripts/bwd_timeline.py --steps --cases 2x8192x16x128 --points 0,3,5,7 --out $OUT_DIR"
 # the dK/dV kernel's per-CTA fixed cost (scripts/bwd_breakdown.py --fixed-cost)
 # (its log to stdout only: with its JSON that makes the 8th file)
 has fixed && timeout "${T_FIXED:-120}" python3 scripts/bwd_breakdown.py --fixed-cost --out "$OUT_DIR"

@@ -84,13 +84,3 @@ def test_graph_replay_matches_eager(case, warm, monkeypatch):
             assert torch.equal(got, want), (
                 f"{name}: replay differs from eager, max |diff| {(got.float() - want.float()).abs().max().item()}")
     del garbage
-
-
-def test_graph_replay_dq_stream(monkeypatch):
-    """The same with the head-dim-256 dQ kernel on a side stream (``HopperBwdConfig.dq_stream``,
-    off by default): the side stream forks from and joins the capturing stream."""
-    import dataclasses
-    from triflash.kernels import configs
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(configs.SM90_HOPPER_BWD[256],
-                                                                            dq_stream=True))
-    test_graph_replay_matches_eager(CASES[2], True, monkeypatch)

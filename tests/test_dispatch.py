@@ -114,7 +114,7 @@ def test_padded_head_dims_backward_boxes(d, width):
         assert (dq_accum.block_shape[-1], dq_accum.shape[-1]) == (width // 2, d)
         # HEAD_DIM: a varlen batch's masked dK / dV stores stop there
         assert kernel_arg(B.hopper_bwd_kernel, args, "HEAD_DIM") == d
-    _, args = bwd_dq.kernel_args(pb, q, k, v, do, dq, stat, delta, p, cfg.dq_block_n, cfg.dq_stages)
+    _, args = bwd_dq.kernel_args(pb, q, k, v, do, dq, stat, delta, p, cfg.dq_block_n)
     assert [x.block_shape[-1] for x in args[:5]] == [width] * 5  # q, k, v, dout, dq
     assert [x.shape[-1] for x in args[:5]] == [d] * 5
     # HEAD_DIM: a varlen batch's masked dQ stores stop there

@@ -73,26 +73,26 @@ HOPPER_FWD_SPILL_BUDGET = {
     # sliding-window bounds + the softcap's tanh temporaries on top of the 240 registers the
     # 128-key S tile and the O accumulator use; a few words spilled on the rare path only.
     ("window-softcap", 128): 128,
-    # at 256 P's pairwise 16-bit conversion (packed_cvt, dispatched) keeps more values live:
+    # at 256 P's pairwise 16-bit conversion (hopper.common.to_16bit) keeps more values live:
     # 172 B measured dense (bf16 and fp16), 140 B in the KV-cache form,
     # against 8 / 32 B one at a time (its speed with window + softcap is not measured yet)
     ("window-softcap", 256): 192,
     # head dim 128 holds Q in registers (``q_regs``, dispatched): the persistent two-Q-slot
     # walk of the plain tile keeps more addresses live next to it (372 B measured, bf16 and
     # fp16; causal and window + softcap 0 B), and ran as fast as Q from shared memory
-    # (configs.HopperFwdConfig.q_regs); with per-thread partial row sums (sum_partial) 404 B;
-    # with the turns on named barriers (named_turns) 484 B, two spill stores and loads per key
-    # block in two of its loops (one with the turns on mbarriers), and 0.4% faster non-causal
-    # in five rounds (`benchmarks/results/probes/probe-rounds-named1.json` at fb45c0d); the
+    # (configs.HopperFwdConfig.q_regs); with per-thread partial row sums 404 B;
+    # with the turns on named barriers 484 B, two spill stores and loads per key block in two
+    # of its loops, and 0.4% faster non-causal in five rounds than on mbarriers
+    # (`benchmarks/results/probes/probe-rounds-named1.json` at fb45c0d); the
     # plain rows compile the split tail's walk (split_keys: 0 B; its walk without pieces is
     # the option row, 484 B)
     ("plain", 128): 512,
     # the split tail's walk at 256 (split_keys): its table's entry and piece kept
     # across the loop, 128 B, two spill loads per key block in two of its loops
-    # (scripts/sass_loops.py fwd 256 plain); 176 B with the turns on mbarriers (an option row)
+    # (scripts/sass_loops.py fwd 256 plain)
     ("plain", 256): 192,
-    # the 256 tile with sum_partial and rescale_threshold (the warpgroup's min of alpha
-    # before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
+    # the 256 tile with per-thread partial row sums and the rescale threshold (O rescaled late, the per-warp
+    # vote before the branch that skips O's rescale) under the causal mask: 88 B dense, 84 B in
     # the KV-cache form (bf16 and fp16); window + softcap 144 B (budget above)
     ("causal", 256): 128,
 }
@@ -112,7 +112,8 @@ HOPPER_BWD_SPILL_BUDGET = {
 # 9878a6e: plain 104 B, causal 96 B, window + softcap 636 B, almost all of it outside the
 # query-block loop (prologue stores, epilogue loads). It ran 1.10x / 1.15x the separate-dQ
 # backward (`benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json`
-# at fb45c0d). With dq_early (dispatched): plain 52 B, causal 96 B, window + softcap 528 B.
+# at fb45c0d). With dQ's wgmmas before dK's (every tile): plain 52 B, causal 96 B, window +
+# softcap 528 B.
 # At 64 with the dQ one block later (dq_lag, dispatched there): plain and causal
 # spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
 # to the window bounds and the tanh terms).
@@ -122,7 +123,7 @@ HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
     ("causal", 128): 128,
     ("window-softcap", 128): 704,
 }
-# The same kernels splitting the last wave (``tail_split``, 4 pieces; plain only): 32 B at 64
+# The same kernels splitting the last wave (``hopper.bwd.tail_pieces``, 4 pieces; plain only): 32 B at 64
 # and 52 B at 128 measured, the piece's range and slot computed at entry (the 64 kernel with
 # 4 pieces ran 1.4% and 6% faster than without the split in interleaved rounds,
 # `benchmarks/results/probes/bwd-probe-rounds-d64-split-*.json` at fb45c0d).
@@ -130,32 +131,23 @@ HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
 # The in-kernel dQ one block later (dq_lag, dispatched at 64), bf16: 64 spills
 # nothing (window + softcap 56 B); 128 plain 88 B (none inside the query-block loops,
 # SASS), causal 500 B (some in them: 12-15 spill instructions per masked block of one
-# warpgroup). With dq_early (dispatched at 128) 128 plain 52 B, causal 668 B.
+# warpgroup). With dQ's wgmmas before dK's (every tile) 128 plain 52 B, causal 668 B.
 HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
 # The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128, and at 256
 # without a mask: 256 spills nothing there), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
 # block in one of its loops); measured with those spills, +0.7% / +1.5% in five rounds.
-# At 256 under the causal mask (not dispatched there: O is rescaled late under masks) with
-# the threshold decided per warp (warp_skip) 148 B.
+# At 256 under the causal mask (not dispatched there: O is rescaled late under masks) 148 B.
 HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET = {("plain", 64): 256, ("causal", 256): 160}
-# 128 without pingpong turns (an option): the persistent plain tile spills 452 B
-# (372 B with them), two spill stores and loads per key block in two of its loops (one with);
-# with per-thread partial row sums (sum_partial) 404 B; 256 causal with them 88 B, with
-# rescale_threshold 72 B (the warpgroup's min of alpha before the branch that skips O's
-# rescale; one spill store and load per key block in two of the four loops); 128 causal with
-# tree_max (off there) and the per-warp threshold (warp_skip) 28 B
-HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 256): 96, ("causal", 128): 32}
+# 128 plain, the persistent walk without the split tail's pieces (split_keys off): 496 B
+# (428 B under triton 3.8); 128 causal with tree_max (off there) 28 B (3.8: 0 B). The other
+# option rows keep the dispatched tiles' budgets (causal at 256: 0 B under 3.6 and 3.8).
+HOPPER_FWD_OPTION_SPILL_BUDGET = {("plain", 128): 512, ("causal", 128): 32}
 # (feature, head dim) -> spill bytes allowed in the Gluon dQ kernel: at 256 the 64 x 256 fp32
 # dQ accumulator leaves little room for the window bounds and tanh temporaries. With 64-key
 # tiles (dq_split_v, dense: bf16 / fp16 causal 52 B, window + softcap 8 B, none in
 # the key-block loops' SASS) and 32-key ones (varlen, budget below).
 HOPPER_DQ_SPILL_BUDGET = {("window-softcap", 256): 32, ("causal", 256): 64}
-# The 128 dK/dV kernel with its per-step timeline probe (every point stamped, never
-# dispatched): the clock reads and stores cost registers, 948 / 1404 B spilled (bf16;
-# points 0 and 7 alone 144 / 896 B, the 64 kernel none): scripts/bwd_timeline.py --steps
-# reads it as a probe's view, not the kernel's own speed.
-HOPPER_BWD_TIMELINE_SPILL_BUDGET = {("plain", 128): 1024, ("causal", 128): 1536}
 
 
 # Varlen variants (dispatched): the tile's sequence starts and lengths stay
@@ -169,18 +161,18 @@ HOPPER_FWD_VARLEN_SPILL_BUDGET = {
     ("plain", 128): 256,
     ("causal", 128): 128,
     ("window-softcap", 128): 192,
-    # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers (named_turns)
+    # 256 (and 192 on its tile): 160 / 168 B; with the turns on named barriers
     # 212 / 220 B (GPU tests passed; the varlen seed forward ran 0.946x the dense
     # one in c0c4f9a's benchmark, 0.953x in 5ae1b49's); with O's rescale decided per warp
-    # (warp_skip: the early rescale's branch over 128 values of O) 392 B, at 256
+    # (the early rescale's branch over 128 values of O) 392 B, at 256
     # and 192: the varlen seed forward 661.9 (3afe79e's run, 212 B) -> 675.7 (119238b's, 392 B),
     # 2x8192x8x256 665.4 -> 680.9
     ("plain", 256): 448,
-    # 396 B measured with packed_cvt (360 B one at a time)
+    # 396 B measured with the pairwise 16-bit conversions (360 B one at a time)
     ("window-softcap", 256): 448,
     # head dim 192 (the 256 tile) on a varlen batch: the column mask of the masked O stores
     # (common._store_rows) on top of the 256 kernel's sequence bookkeeping: 156 B measured
-    # (bf16), against 128 B at 256; with the 256 tile's sum_partial and rescale_threshold
+    # (bf16), against 128 B at 256; with the 256 tile's partial row sums and rescale threshold
     # under the causal mask 216 B at 256 and at 192
     ("causal", 256): 256,
     ("causal", 192): 256,
@@ -194,17 +186,17 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 # sectioned launch order (common.launch_order) added its divisions. Varlen keeps the
 # sequence's starts and lengths live on top: causal 404 B; window + softcap (bounds and tanh
 # temporaries as well) 1960 B, a rare combination whose speed is not measured.
-# Causal on persistent CTAs (persistent_masked, two Q slots, the schedule's walk): 336 B
+# Causal on persistent CTAs (two Q slots, the schedule's walk): 336 B
 # (bf16 and fp16, 7c818c1), and 1.6-3.1% faster than one CTA per tile
 # (configs.SM90_HOPPER_FWD); window + softcap there spills nothing.
 # With each consumer keeping its own key-block range (own_blocks, dispatched at 64) none of
-# them spills (bf16 and fp16; dense, varlen, the KV-cache form, packed_cvt off): the sizes
+# them spills (bf16 and fp16; dense, varlen, the KV-cache form): the sizes
 # above (plain 648 B, causal 32 / 336 B, varlen causal 404 B) were measured without it.
 # With O rescaled before P V is issued (rescale_early, dispatched at 64) the
 # unmasked persistent walk (two Q slots) spills 200 B and the KV-cache form's causal 8 B
 # (bf16); measured with those spills, +0.7% / +1.5% non-causal / causal in five interleaved
 # rounds (configs.HopperFwdConfig.rescale_early).
-# With tree_max, sum_partial and the round robin of turns (dispatched): plain
+# With tree_max, the per-thread partial row sums and the round robin of turns (dispatched): plain
 # and causal nothing, window + softcap 52 B.
 HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32, ("window-softcap", 64): 64}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
@@ -220,12 +212,9 @@ BUDGETS_BY_TRITON = {
         "HOPPER_FWD_3WG_SPILL_BUDGET": {("causal", 64): 288, ("window-softcap", 64): 448},  # 272, 416 B
         "HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET": {("plain", 64): 832},  # 800 B
         "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 1024},  # 968 B (976 B at 96)
-        # dK/dV under the causal mask: 128 dense 60 B, varlen 100 B; 256 68 / 44 B, and
-        # 108 B with the timeline probe (an option row)
+        # dK/dV under the causal mask: 128 dense 60 B, varlen 100 B; 256 68 / 44 B
         "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
-        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B (372 B dq_early=0)
-        "HOPPER_BWD_TIMELINE_SPILL_BUDGET": {("causal", 128): 1600},  # 1572 B
-        "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 256): 160},  # 132 B (warp_skip off)
+        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B
     },
 }
 for _name, _overlay in BUDGETS_BY_TRITON.get(triton_release(), {}).items():
@@ -256,25 +245,24 @@ def test_hopper_forward_compiles_for_sm90a():
     assert {r["headdim"] for r in rows if r.get("kvcache")} == every
     # persistent CTAs (with the tile's Q slots) exactly where the dispatch asks for them
     # (fwd.walk): dense batches, unmasked at the head dims whose tile says persistent_unmasked,
-    # causal / window on the host's schedule where it says persistent_masked
+    # causal / window on the host's schedule at every head dim
     # (a padded head dim, 96 or 192, runs the tile of the width it is computed at)
     tiles = configs.SM90_HOPPER_FWD
     rows = [dict(r, headdim=kernel_head_dim(r["headdim"]), real=r["headdim"]) for r in rows]
     assert {(r["headdim"], r["feature"], bool(r.get("varlen") or r.get("kvcache")))
             for r in rows if r["q_slots"] == 2} == (
         {(d, "plain", False) for d, c in tiles.items() if c.persistent_unmasked and c.q_slots == 2}
-        | {(d, f, False) for d, c in tiles.items() if c.persistent_masked and c.q_slots == 2
-           for f in ("causal", "window-softcap")})
+        | {(d, f, False) for d, c in tiles.items() if c.q_slots == 2 for f in ("causal", "window-softcap")})
     # (and without a mask the walk of the split tail's table where it says split_keys)
     assert {(r["headdim"], r["feature"]) for r in rows if r["pieces"]} == {
         (d, "plain") for d, c in tiles.items() if c.split_keys}
     assert {(r["headdim"], r["feature"]) for r in rows if r["scheduled"]} == {
-        (d, f) for d, c in tiles.items() if c.persistent_masked for f in ("causal", "window-softcap")} | {
+        (d, f) for d in tiles for f in ("causal", "window-softcap")} | {
         (d, "plain") for d, c in tiles.items() if c.split_keys}
     assert not any(r["scheduled"] and (r.get("varlen") or r.get("kvcache")) for r in rows)
     for r in rows:
-        # P to 16 bits two at a time (packed_cvt): no one-at-a-time conversion left
-        assert r["scalar_cvt"] == 0 or not tiles[r["headdim"]].packed_cvt, r
+        # P to 16 bits two at a time (hopper.common.to_16bit): no one-at-a-time conversion left
+        assert r["scalar_cvt"] == 0, r
         if r.get("num_consumers") == 3:
             budget = HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_FWD_3WG_SPILL_BUDGET
         else:
@@ -287,7 +275,7 @@ def test_hopper_backward_compiles_for_sm90a():
     dim 256), fp16 and bf16, plain / causal / window+softcap, dense and (bf16) varlen, as
     dispatched: no per-thread atomics; where the tile has ``atomic_dq`` (deterministic=False,
     dense) also the variant that adds dQ by TMA reduce-add, with the tile's ring depth, and
-    where the tile splits the last wave (``tail_split``) that kernel (plain); the
+    its kernel splitting the last wave (``hopper.bwd.tail_pieces``, plain); the
     padded head dims (96, 192: dense and varlen, bf16) with the tile of the width they are
     computed at, held to that width's budgets."""
     from triflash.kernels import configs
@@ -303,7 +291,7 @@ def test_hopper_backward_compiles_for_sm90a():
     assert {r["headdim"] for r in rows if r["atomic_dq"]} == {
         d for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq}
     assert {(r["headdim"], r["dtype"]) for r in rows if r.get("tail_split")} == {
-        (d, dt) for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq and c.tail_split != 1
+        (d, dt) for d, c in configs.SM90_HOPPER_BWD.items() if c.atomic_dq
         for dt in ("bf16", "fp16")}
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
@@ -327,14 +315,14 @@ def test_hopper_dq_compiles_for_sm90a():
     from triflash.kernels.hopper import bwd_dq
     from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     rows = _compiled("dq")
-    served = {d for d, c in configs.SM90_HOPPER_BWD.items() if c.gluon_dq}
+    served = set(configs.SM90_HOPPER_BWD)
     assert {r["headdim"] for r in rows} == served | {d for d, w in PADDED_HEAD_DIMS.items() if w in served}
     assert {r["headdim"] for r in rows if r.get("varlen")} == {r["headdim"] for r in rows}
     rows = [dict(r, headdim=kernel_head_dim(r["headdim"])) for r in rows]
     for r in rows:
         c = configs.SM90_HOPPER_BWD[r["headdim"]]
         block_n, v_stages = bwd_dq.tile(c, r.get("varlen", False))  # what bwd.bwd launches
-        assert (r["block_n"], r["stages"], r.get("v_stages", 0)) == (block_n, c.dq_stages, v_stages), r
+        assert (r["block_n"], r["stages"], r.get("v_stages", 0)) == (block_n, bwd_dq.STAGES, v_stages), r
         if c.dq_split_v and not r.get("varlen"):  # dense: dq_split_v keys, V in a slot of its own
             assert (block_n, v_stages) == (c.dq_split_v, 1), r
         budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET
@@ -344,53 +332,36 @@ def test_hopper_dq_compiles_for_sm90a():
 
 def test_tile_variants_compile_for_sm90a():
     """Tile options the dispatch does not use compile within the dispatched tiles' budgets:
-    ``packed_cvt`` off (LLVM's one-at-a-time 16-bit conversions of P / dS; the dispatched
-    tiles pack two at a time, ``hopper.common.to_16bit``), where the forward
-    does convert one at a time (384 times at head dim 128; the dispatched forward never, test
-    above); the head-dim-256 dK/dV kernel with its ``timeline`` probe stamps, and with K / V
+    the head-dim-256 dK/dV kernel with K / V
     read from shared memory (``reg_a`` 0; the dispatched kernel's is 1). (The head-dim-64 dK/dV
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs`` are dispatched: the tests
     above compile them in every form.) The 64 / 128
-    dK/dV kernel with ``dq_lag`` and ``dq_early`` each flipped from the dispatched value; the
+    dK/dV kernel with ``dq_lag`` flipped from the dispatched value; the
     forward with each row's max of S by a tree
-    (``tree_max``), with ``pingpong`` flipped (64: three consumers round robin), with the
-    turns on mbarriers instead of named barriers (``named_turns``) and with
-    per-thread partial row sums (``sum_partial``), and at 256 the stale running max
-    (``rescale_threshold``) and the persistent walk of unmasked tiles (``persistent_unmasked``,
-    one Q slot), at 128 / 256 the walk without the split tail (``split_keys``), and O's
-    rescale decided per warp (``warp_skip``): each flipped from its dispatched value
-    (``configs.flipped``)."""
+    (``tree_max``), and at 256 the persistent walk of unmasked
+    tiles (``persistent_unmasked``, one Q slot), at 128 / 256 the walk without the split tail
+    (``split_keys``): each flipped from its dispatched value (``configs.flipped``)."""
     from triflash.kernels import configs
     rows = _compiled("variants")
     from tools import compile_check
-    assert {r["kernel"] for r in rows if not r["packed_cvt"]} == {"hopper_fwd", "hopper_bwd256", "hopper_dq"}
-    assert {(r["kernel"], r["feature"]) for r in rows if r.get("timeline")} == {
-        (k, f) for k in ("hopper_bwd256", "hopper_bwd") for f in ("plain", "causal")}
     assert {r["feature"] for r in rows if r.get("reg_a") == 0} == {"plain", "causal"}
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("rescale_early")} == {
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
-        (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag", "dq_early")
+        (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag",)
         for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
-        (256, f, "dq_split_v_varlen=1") for f in ("plain", "causal", "window-softcap")} | {
-        (d, f, f"dq_own_blocks={int(not configs.SM90_HOPPER_BWD[d].dq_own_blocks)}")
-        for d in (128, 256) for f in ("causal", "window-softcap")} | {
         (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
         for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
     for r in rows:
-        assert r["scalar_cvt"] > 0 or r["kernel"] != "hopper_fwd" or r["packed_cvt"], r
         if r.get("dq_lag"):
             budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
-        elif r.get("timeline") and r["kernel"] == "hopper_bwd":
-            budget = HOPPER_BWD_TIMELINE_SPILL_BUDGET
-        elif r["kernel"] == "hopper_bwd":  # the in-kernel dQ's budget (dq_early either way)
+        elif r["kernel"] == "hopper_bwd":  # the in-kernel dQ's budget
             budget = HOPPER_BWD_ATOMIC_SPILL_BUDGET
         elif r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}
-            if r.get("option", "").startswith(("pingpong", "sum_partial", "rescale_threshold", "split_keys", "warp_skip",
-                                                 "tree_max")):
+            if r.get("option", "").startswith(("split_keys", "tree_max")):
                 budget = {**budget, **HOPPER_FWD_OPTION_SPILL_BUDGET}
         elif r["kernel"] == "hopper_dq":
             budget = HOPPER_DQ_VARLEN_SPILL_BUDGET if r.get("varlen") else HOPPER_DQ_SPILL_BUDGET

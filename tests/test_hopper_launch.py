@@ -194,19 +194,18 @@ def test_forward_plans_are_per_signature(fake_fwd):
             H.fwd(*tensors, params, cfg)
 
 
-@pytest.mark.parametrize("d,deterministic,causal,tail_split", [
-    (64, False, True, 0), (128, False, False, 0), (128, True, True, 0), (96, False, False, 0),
-    (128, False, False, 4), (256, False, True, 0), (192, True, False, 0)])
+@pytest.mark.parametrize("d,deterministic,causal,pieces", [
+    (64, False, True, 1), (128, False, False, 1), (128, True, True, 1), (96, False, False, 1),
+    (128, False, False, 4), (256, False, True, 1), (192, True, False, 1)])
 def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d, deterministic, causal,
-                                                       tail_split):
+                                                       pieces):
     """The backward's launches (dense) go through plans: statistics, dK/dV (hopper/bwd.py's
     kernel, or bwd256's at 192 / 256) and the separate dQ kernel where it runs
     (deterministic=True, or 192 / 256). With TRIFLASH_VERIFY_LAUNCHES=1 a repeat builds its
     arguments as well and the plan must pass the same (fresh tensors each call: q, k, v,
     dout, out, lse and the buffers the backward allocates, the split tiles' piece buffer
-    with ``tail_split`` forced); without it a repeat takes the plan (no new
+    with the last-wave split forced, ``pieces``); without it a repeat takes the plan (no new
     specialization)."""
-    import dataclasses
     from triflash.kernels import configs, portable
     from triflash.kernels.hopper import bwd as HB
     from triflash.kernels.hopper import bwd256, bwd_dq
@@ -222,7 +221,9 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
         monkeypatch.setattr(mod, name, fakes[name])
     b, s, h, hk = 2, 200, 4, 2
     params = portable.AttnParams(d ** -0.5, -1, 0 if causal else -1, 0.0, s, s)
-    cfg = dataclasses.replace(configs.SM90_HOPPER_BWD[hc.kernel_head_dim(d)], tail_split=tail_split)
+    cfg = configs.SM90_HOPPER_BWD[hc.kernel_head_dim(d)]
+    if pieces > 1:  # (every key tile split: the shape's 8 tiles on 132 SMs would not)
+        monkeypatch.setattr(HB, "tail_pieces", lambda n_tiles, n_sm: pieces)
 
     def call(seed):
         g = torch.Generator().manual_seed(seed)
@@ -235,8 +236,8 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
     assert len(hc._PLANS) == 2 + separate_dq                              # stats, dK/dV (, dQ)
     assert bool(fakes["hopper_dq_kernel"].jit_calls) == separate_dq
     assert bool(fakes["hopper_bwd256_kernel"].jit_calls) == (d in (192, 256))
-    assert bool(fakes["_split_fixup_kernel"].jit_calls) == (tail_split > 1 and not deterministic)
-    if tail_split > 1:  # 1D grid: each of the 8 key tiles (2 blocks x 2 KV heads x 2) in 4 pieces
+    assert bool(fakes["_split_fixup_kernel"].jit_calls) == (pieces > 1 and not deterministic)
+    if pieces > 1:  # 1D grid: each of the 8 key tiles (2 blocks x 2 KV heads x 2) in 4 pieces
         assert fakes["hopper_bwd_kernel"].jit_calls[0][0] == (32, 1, 1)
     monkeypatch.setattr(hc, "VERIFY_LAUNCHES", True)
     call(1)                                                               # asserts inside

@@ -140,37 +140,6 @@ def test_hopper_bwd_padded_head_dims_strided(d):
     assert max_err(got, dref) <= fa_tolerance(dref, dpt)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
-@pytest.mark.option
-def test_hopper_packed_cvt_same_bits(d, mask, monkeypatch):
-    """The dispatched tiles' ``packed_cvt`` (``hopper.common.to_16bit``: 16-bit P / dS two at
-    a time, on) gives the bits of LLVM's one-at-a-time conversions: they
-    round alike, and a pair landing in the wrong half of its register would change them; so
-    does the head-dim-256 dK/dV kernel's ``tma_epilogue`` those of its register stores.
-    Forward (out, lse) and deterministic backward."""
-    import dataclasses
-    from triflash.kernels import configs
-    causal, window, softcap = MASKS[mask]
-    g = torch.Generator(device="cuda").manual_seed(d)
-    q, k, v = (torch.randn(2, 777, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for h in (8, 2, 2))
-    dout = torch.randn(2, 777, 8, d, device="cuda", dtype=torch.bfloat16, generator=g)
-
-    def run():
-        with triflash.force_backend("hopper"):
-            out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
-                                                deterministic=True, return_attn_probs=True)
-            return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
-    dispatched = run()
-    assert configs.SM90_HOPPER_FWD[d].packed_cvt and configs.SM90_HOPPER_BWD[d].packed_cvt
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(configs.SM90_HOPPER_FWD[d], packed_cvt=False))
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(configs.SM90_HOPPER_BWD[d], packed_cvt=False,
-                                                                       tma_epilogue=False))
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dispatched, run()):
-        assert torch.equal(a, b), name
-
-
 def _two_sequences(d, shape, seed):
     """(q, k, v, cu_q, cu_k, generator): fresh bf16 inputs of batch 2, ``shape`` = (sq, sk,
     heads, kv heads), from a CUDA generator seeded with ``seed`` (returned for more draws),
@@ -205,14 +174,11 @@ def _fwd_dense_and_varlen(d, mask, shape, seed):
 # Forward options that move operands, not arithmetic (HopperFwdConfig), each against the
 # dispatched tile: ``q_regs`` (Q in registers for every S wgmma; dispatched at 128, here
 # off), and flipped from the dispatched value: ``tree_max`` (each row's max
-# of S by a tree: max is exact, so the same maxima), ``pingpong`` (64: the three
-# consumers taking turns round robin; 128 / 256 with or without turns), ``named_turns`` (the
-# turns on named barriers) and, at 256, ``persistent_unmasked`` (unmasked tiles walked by one
-# persistent CTA per SM, one Q slot).
+# of S by a tree: max is exact, so the same maxima) and, at 256, ``persistent_unmasked``
+# (unmasked tiles walked by one persistent CTA per SM, one Q slot).
 FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
-    (d, {o: _configs.flipped(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max", "pingpong") for d in (64, 128, 256)] + [
-    (256, {"persistent_unmasked": _configs.flipped(_configs.SM90_HOPPER_FWD[256], "persistent_unmasked")})] + [
-    (d, {"named_turns": _configs.flipped(_configs.SM90_HOPPER_FWD[d], "named_turns")}) for d in (64, 128, 256)]
+    (d, {o: _configs.flipped(_configs.SM90_HOPPER_FWD[d], o)}) for o in ("tree_max",) for d in (64, 128, 256)] + [
+    (256, {"persistent_unmasked": _configs.flipped(_configs.SM90_HOPPER_FWD[256], "persistent_unmasked")})]
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4), (1000, 1000, 6, 1)],
@@ -221,9 +187,8 @@ FWD_SAME_BITS = [(96, dict(q_regs=False)), (128, dict(q_regs=False))] + [
 @pytest.mark.parametrize("d,option", FWD_SAME_BITS, ids=lambda x: str(x))
 @pytest.mark.option
 def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatch):
-    """Where Q is read from (registers or shared memory), in which order a row's max is taken,
-    in which order the consumers issue their wgmmas and how CTAs walk the tiles change
-    neither the products nor the order of the sums: out and lse keep the dispatched tile's
+    """Where Q is read from (registers or shared memory), in which order a row's max is taken
+    and how CTAs walk the tiles change neither the products nor the order of the sums: out and lse keep the dispatched tile's
     bits. Dense
     tiles of every walk (one CTA per tile, persistent, scheduled under masks) and a varlen
     batch."""
@@ -235,37 +200,6 @@ def test_hopper_fwd_operand_options_same_bits(d, option, mask, shape, monkeypatc
     dispatched = run()
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(configs.SM90_HOPPER_FWD[w], **option))
     for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), dispatched, run()):
-        assert torch.equal(a, b), name
-
-
-# ``warp_skip`` against the same tile without it, at the same effective threshold: 0 (every
-# head dim, every mask: O skipped only where no row of the warp raised its max) and 8.0 at
-# 256 under masks (O rescaled late there, the dispatched tile's rule decided per warpgroup).
-WARP_SKIP_SAME_BITS = [(d, 0.0, m) for d in (64, 128, 192, 256) for m in MASKS] + [
-    (256, 8.0, m) for m in MASKS if m != "none"]
-
-
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("d,threshold,mask", WARP_SKIP_SAME_BITS, ids=lambda x: str(x))
-@pytest.mark.option
-def test_hopper_fwd_warp_skip_same_bits(d, threshold, mask, shape, monkeypatch):
-    """``warp_skip`` (each warp votes on its own 16 rows' alpha and branches around its O
-    multiplies, inline PTX) skips only multiplies by exactly 1: out and lse keep the bits of
-    the same tile multiplying every block (threshold 0) or deciding per warpgroup (8.0).
-    Dense tiles of every walk and a varlen batch."""
-    import dataclasses
-    from triflash.kernels import configs
-    from triflash.kernels.hopper.common import kernel_head_dim
-    w = kernel_head_dim(d)
-    base = dataclasses.replace(configs.SM90_HOPPER_FWD[w], rescale_threshold=threshold, warp_skip=False)
-    if threshold > 0:
-        assert not base.rescale_early  # (8.0 applies late: under masks at 256)
-    _, _, _, run = _fwd_dense_and_varlen(d, mask, shape, d + shape[0])
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, base)
-    expected = run()
-    monkeypatch.setitem(configs.SM90_HOPPER_FWD, w, dataclasses.replace(base, warp_skip=True))
-    for name, a, b in zip(("out", "lse", "out varlen", "lse varlen"), expected, run()):
         assert torch.equal(a, b), name
 
 
@@ -301,18 +235,10 @@ def test_hopper_fwd_own_blocks_same_bits(mask, shape, monkeypatch):
 
 # Forward options (HopperFwdConfig), (name, value): ``rescale_early`` (O rescaled by the
 # previous block's factor before P V is issued; dispatched at 64 / 128, at 256 without a
-# mask: here at every tile and mask), and flipped from the
-# dispatched value (configs.flipped): ``sum_partial`` (each row's running sum kept as
-# per-thread partials, added across the quad once per tile) and ``rescale_threshold`` at
-# 192 / 256 (a row's stale max kept below a rise of 8); ``split_keys`` 2; ``warp_skip`` (O's
-# rescale decided per warp; at 256 with the tile's threshold 8.0 in the early rescale too).
+# mask: here at every tile and mask), and ``split_keys`` 2.
 FWD_OPTIONS = [(("rescale_early", True), d) for d in (64, 128, 192, 256)] + [
-    ((o, _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], o)), d)
-    for o, dims in (("sum_partial", (64, 128, 192, 256)), ("rescale_threshold", (192, 256))) for d in dims] + [
-    (("split_keys", 2), d) for d in (64, 128, 192, 256)] + [
-    (("warp_skip", _configs.flipped(_configs.SM90_HOPPER_FWD[_configs.headdim_bucket(d)], "warp_skip")), d)
-    for d in (64, 128, 192, 256)]
-# (rescale_threshold applies where O is rescaled late: under masks; split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
+    (("split_keys", 2), d) for d in (64, 128, 192, 256)]
+# (split_keys 2: without a mask, tiles of the last round cut into pieces of key blocks and
 # merged, hopper.split_combine, at every shape here but 1 x 1 (one key block per tile))
 
 
@@ -394,15 +320,15 @@ def test_hopper_fwd_split_keys(d, b, sq, sk, h, hk, softcap, dtype, monkeypatch)
 @pytest.mark.parametrize("sk", [1000, 4096])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal-window-softcap"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("when", ["late", "early-warp_skip"])
+@pytest.mark.parametrize("when", ["late", "early"])
 @pytest.mark.option
 def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch):
-    """``rescale_threshold`` (dispatched at 256, where O is rescaled after P V: under masks;
-    here at every tile, with O rescaled after P V, or before P V is issued with the
-    decision per warp, ``warp_skip``): scores whose row maxima rise by far
-    more than the threshold from block to block (queries scaled up, every key's norm drawn
-    between 0.05 and 4), so rows both keep a stale max and replace it, in blocks visited in
-    every order; against the fp32 reference."""
+    """``hopper.fwd.RESCALE_THRESHOLD`` (a row's stale max kept below a rise of 8, O's
+    rescale skipped per warp), with O rescaled after P V (``rescale_early`` off, dispatched at
+    256 under masks) or before P V is issued, at every tile: scores whose row maxima rise
+    by far more than the threshold from block to block (queries scaled up, every key's norm
+    drawn between 0.05 and 4), so rows both keep a stale max and replace it, in blocks
+    visited in every order; against the fp32 reference."""
     import dataclasses
     from triflash.kernels import configs
     causal, window, softcap = MASKS[mask]
@@ -411,10 +337,8 @@ def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch)
     norms = 0.05 + 3.95 * torch.rand(2, sk, 1, 1, device="cuda", generator=g)
     k = (torch.randn(2, sk, 2, d, device="cuda", generator=g) * norms).to(torch.bfloat16)
     v = torch.randn(2, sk, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    early = when == "early-warp_skip"
     monkeypatch.setitem(configs.SM90_HOPPER_FWD, d, dataclasses.replace(
-        configs.SM90_HOPPER_FWD[d], rescale_threshold=8.0, rescale_early=early, rescale_early_unmasked=False,
-        warp_skip=early))
+        configs.SM90_HOPPER_FWD[d], rescale_early=when == "early", rescale_early_unmasked=False))
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     with triflash.force_backend("hopper"):
         out, lse, *_ = triflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
@@ -425,9 +349,8 @@ def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch)
 
 # Backward options (HopperBwdConfig), each flipped from its dispatched value: ``dq_lag``
 # (each query block's dQ added one block later, four dS^T slots, a zero block first;
-# dispatched at 64) and ``dq_early`` (dQ's wgmmas before dK's, dQ reduced while dK runs;
-# dispatched at 64 and 128).
-BWD_DQ_OPTIONS = ("dq_lag", "dq_early")
+# dispatched at 64).
+BWD_DQ_OPTIONS = ("dq_lag",)
 
 
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
@@ -472,94 +395,6 @@ def test_hopper_bwd_dq_split_v(d, mask, shape, monkeypatch):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap)
 
 
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (203, 113, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1),
-                                   (1, 1, 4, 4)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", ["causal", "window", "causal-window-softcap"])
-@pytest.mark.parametrize("d", [256, 192, 128])
-@pytest.mark.option
-def test_hopper_bwd_dq_own_blocks(d, mask, shape, monkeypatch):
-    """``dq_own_blocks`` flipped from its dispatched value (each dQ consumer warpgroup computes
-    only the key blocks its own 64 rows see, waiting for and releasing the others' slots),
-    against the fp32 reference: sq < sk and sq > sk (bottom-right causal: whole 64-row halves
-    of a tile see nothing, or everything), GQA / MQA, key blocks only one half sees, odd
-    lengths, one key. 128 through deterministic=True (its default dQ is inside the dK/dV
-    kernel); a varlen batch at 256 too."""
-    import dataclasses
-    from test_varlen import check_varlen
-    from triflash.kernels import configs
-    from triflash.kernels.hopper.common import kernel_head_dim
-    w = kernel_head_dim(d)
-    cfg = configs.SM90_HOPPER_BWD[w]
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, w, dataclasses.replace(cfg, dq_own_blocks=not cfg.dq_own_blocks))
-    sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
-    with triflash.force_backend("hopper"):
-        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, deterministic=d == 128)
-        if d == 256 and sq == 113:
-            check_varlen(*VARLEN_LENS, 8, 2, d, torch.bfloat16, causal, window, softcap, seed=d + 2, pad=9)
-
-
-@pytest.mark.parametrize("seqused", [False, True])
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d", [256, 192])
-@pytest.mark.option
-def test_hopper_bwd_dq_split_v_varlen(d, mask, seqused, monkeypatch):
-    """``dq_split_v_varlen`` flipped from its dispatched value (a varlen batch's dQ kernel
-    with the dense batch's 64-key tiles, or 32-key ones), on test_hopper_varlen's batch:
-    sequences of length 0 and 1, tiles straddling two sequences, seqused, padding rows."""
-    import dataclasses
-    from test_varlen import check_varlen
-    from triflash.kernels import configs
-    cfg = configs.SM90_HOPPER_BWD[256]
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256,
-                        dataclasses.replace(cfg, dq_split_v_varlen=not cfg.dq_split_v_varlen))
-    causal, window, softcap = MASKS[mask]
-    lens_q, lens_k = VARLEN_LENS
-    used = VARLEN_USED if seqused else None
-    with triflash.force_backend("hopper"):
-        check_varlen(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal, window, softcap,
-                     seqused=used, seed=d + 1, pad=9, deterministic=seqused)
-
-
-@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("d,deterministic", [(256, False), (192, False), (128, True), (64, True)])
-@pytest.mark.option
-def test_hopper_bwd_dq_stream_same_bits(d, deterministic, mask, shape, monkeypatch):
-    """``dq_stream`` flipped from its dispatched value (the separate dQ kernel on a side stream
-    beside the dK/dV kernel, or after it on the caller's stream) changes when the dQ kernel
-    runs, not what it computes: dense and varlen gradients bit for bit as before (no atomics
-    in either kernel here), against the fp32 reference too, and none of them read before
-    the caller's stream has waited for the side stream (the outputs are used at once)."""
-    import dataclasses
-    from triflash.kernels import configs
-    sq, sk, h, hk = shape
-    causal, window, softcap = MASKS[mask]
-    q, k, v, cu_q, cu_k, g = _two_sequences(d, shape, d + sk + 7)
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    dout = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    kw = dict(causal=causal, window_size=window, softcap=softcap, deterministic=deterministic)
-
-    def run():
-        with triflash.force_backend("hopper"):
-            out = triflash.flash_attn_func(q, k, v, **kw)
-            dense = torch.autograd.grad(out, (q, k, v), dout)
-            flat = [x.detach().flatten(0, 1).requires_grad_() for x in (q, k, v)]
-            out = triflash.flash_attn_varlen_func(*flat, cu_q, cu_k, sq, sk, **kw)
-            varlen = torch.autograd.grad(out, flat, dout.flatten(0, 1))
-            return [x.clone() for x in dense + varlen]  # copies made on the caller's stream
-    tile = 256 if d == 192 else d
-    cfg = configs.SM90_HOPPER_BWD[tile]
-    plain = run()
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile, dataclasses.replace(cfg, dq_stream=not cfg.dq_stream))
-    flipped = run()
-    for name, a, b in zip(("dq", "dk", "dv", "dq varlen", "dk varlen", "dv varlen"), plain, flipped):
-        assert torch.equal(a, b), name
-    with triflash.force_backend("hopper"):
-        check_attention(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, deterministic=deterministic)
-
-
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -601,17 +436,15 @@ def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 @pytest.mark.option
 def test_hopper_bwd_tail_split(d, pieces, softcap, shape, monkeypatch):
-    """``tail_split`` forced: every key tile of the dK/dV kernel runs as ``pieces`` CTAs over
+    """The last-wave split forced (``hopper.bwd.tail_pieces`` answering ``pieces``): every
+    key tile of the dK/dV kernel runs as ``pieces`` CTAs over
     parts of its query blocks (fewer blocks than pieces leave pieces empty: 1 x 1), each
     adding fp32 dK / dV into the split tiles' buffer that ``_split_fixup_kernel`` writes out
     (rows past seqlen_k, columns past a padded head dim not written); held to FA3's
     tolerance against the fp32 reference. No mask: the split serves only unmasked tiles."""
-    import dataclasses
-    from triflash.kernels import configs
+    from triflash.kernels.hopper import bwd as hbwd
     sq, sk, h, hk = shape
-    tile = 128 if d == 96 else d
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile,
-                        dataclasses.replace(configs.SM90_HOPPER_BWD[tile], tail_split=pieces))
+    monkeypatch.setattr(hbwd, "tail_pieces", lambda n_tiles, n_sm: pieces)
     with triflash.force_backend("hopper"):
         check_attention(2, sq, sk, h, hk, d, torch.bfloat16, False, (-1, -1), softcap)
 
@@ -621,10 +454,8 @@ def test_hopper_bwd_tail_split_auto(d):
     """The dispatched tiles split the last wave where ``tail_pieces`` says so: a shape with a
     few key tiles more than the GPU has SMs, (GQA, seqlen not a multiple of the tile) against
     the reference; the same shape under a causal mask does not split and is checked too."""
-    from triflash.kernels import configs
     from triflash.kernels.hopper import bwd as hbwd
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert configs.SM90_HOPPER_BWD[d].tail_split == 0
     hk = 8
     tiles = sms // hk + 1  # key tiles per KV head: a few more tiles than SMs in all
     sk = tiles * 128 - 37
@@ -632,93 +463,6 @@ def test_hopper_bwd_tail_split_auto(d):
     with triflash.force_backend("hopper"):
         check_attention(1, 700, sk, 2 * hk, hk, d, torch.bfloat16, False, (-1, -1), 0.0)
         check_attention(1, 700, sk, 2 * hk, hk, d, torch.bfloat16, True, (-1, -1), 0.0)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.option
-def test_hopper_bwd256_timeline_probe(causal, monkeypatch):
-    """The head-dim-256 dK/dV kernel's ``timeline`` probe (scripts/bwd_timeline.py) stamps
-    every CTA once, in order (entry <= K / V landed <= first block <= last block <= stores
-    done, on both warpgroups), counts each CTA's query blocks as the causal range does, and
-    leaves the gradients' bits as they are."""
-    import dataclasses
-    from triflash.kernels import configs
-    from triflash.kernels.hopper import bwd256
-    b, s, h = 2, 1000, 4
-    g = torch.Generator(device="cuda").manual_seed(11)
-    q, k, v = (torch.randn(b, s, h, 256, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for _ in range(3))
-    dout = torch.randn(b, s, h, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-
-    def run():
-        with triflash.force_backend("hopper"):
-            out = triflash.flash_attn_func(q, k, v, causal=causal)
-            return torch.autograd.grad(out, (q, k, v), dout)
-    dispatched = run()
-    tiles = -(-s // bwd256.BLOCK_N)
-    buf = torch.full((tiles * h * b, bwd256.TIMELINE_SLOTS), -1, dtype=torch.int64, device="cuda")
-    monkeypatch.setattr(bwd256, "timeline_buffer", buf)
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, 256, dataclasses.replace(configs.SM90_HOPPER_BWD[256], timeline=True))
-    for name, x, y in zip(("dq", "dk", "dv"), dispatched, run()):
-        assert torch.equal(x, y), name
-    t = buf.cpu()
-    assert (t >= 0).all()
-    for wg in ((4, 5, 6, 7), (9, 10, 11, 12)):
-        assert (t[:, 2] <= t[:, wg[0]]).all() and (t[:, wg[0]] <= t[:, wg[1]]).all()
-        assert (t[:, wg[1]] <= t[:, wg[2]]).all() and (t[:, wg[2]] <= t[:, wg[3]]).all()
-    assert (t[:, 1] <= t[:, 8]).all() and (t[:, 1] <= t[:, 13]).all()
-    n = torch.arange(tiles).repeat(b * h)
-    assert torch.equal(t[:, 14], n * bwd256.BLOCK_N)
-    m_blocks = -(-s // 64)
-    assert torch.equal(t[:, 3], m_blocks - n if causal else torch.full_like(n, m_blocks))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.option
-def test_hopper_bwd_step_timeline_probe(d, causal, monkeypatch):
-    """The 64 / 128 dK/dV kernel's per-step ``timeline`` probe (scripts/bwd_timeline.py --steps)
-    stamps each warpgroup's first query-block steps at all eight points in order, one step
-    after the other, leaves the slots of steps it did not run untouched, counts each CTA's
-    steps, and changes no bit of dK / dV (dQ, added by TMA reduce-add in any order, to
-    within rounding)."""
-    import dataclasses
-    from triflash.kernels import configs
-    from triflash.kernels.hopper import bwd as hbwd
-    b, s, h = 2, 1000, 4
-    g = torch.Generator(device="cuda").manual_seed(12)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for _ in range(3))
-    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-
-    def run():
-        with triflash.force_backend("hopper"):
-            out = triflash.flash_attn_func(q, k, v, causal=causal)
-            return torch.autograd.grad(out, (q, k, v), dout)
-    dispatched = run()
-    cfg = configs.SM90_HOPPER_BWD[d]
-    ctas = -(-s // cfg.block_n) * h * b  # (one partial wave: no split tiles)
-    buf = torch.full((ctas, hbwd.STEP_SLOTS), -1, dtype=torch.int64, device="cuda")
-    monkeypatch.setattr(hbwd, "step_timeline_buffer", buf)
-    monkeypatch.setattr(hbwd, "step_points", 0xFF)
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(cfg, timeline=True))
-    probed = run()
-    torch.testing.assert_close(probed[0], dispatched[0], rtol=2 ** -7, atol=2 ** -9)
-    assert torch.equal(probed[1], dispatched[1]) and torch.equal(probed[2], dispatched[2])
-    t = buf.cpu()
-    steps = t[:, 3]
-    m_blocks = -(-s // 64)
-    assert (steps > 0).all() and (steps <= m_blocks).all()
-    if not causal:
-        assert (steps == m_blocks).all()
-    st = t[:, 4:].view(ctas, 2, hbwd.STEP_STEPS, hbwd.STEP_POINTS)
-    for c in range(ctas):
-        n = min(int(steps[c]), hbwd.STEP_STEPS)
-        run_ = st[c, :, :n]
-        assert (run_ > 0).all(), c
-        assert (run_[:, :, 1:] >= run_[:, :, :-1]).all(), c
-        assert (run_[:, 1:, 0] >= run_[:, :-1, 7]).all(), c
-        assert (st[c, :, n:] == -1).all(), c
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])

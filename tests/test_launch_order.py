@@ -96,9 +96,9 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
 def test_forward_walks():
     """How the Hopper forward's CTAs take their tiles (``fwd.walk``): one persistent CTA per SM
     walking tile, tile + grid, ... (two Q slots) on a dense batch without causal / window
-    mask and seqused (every tile the same length); under a causal / window mask on a dense
-    batch, persistent CTAs on the host's longest-first schedule where the tile says
-    ``persistent_masked``; everywhere else (varlen, seqused, too many tiles) one CTA per
+    mask and seqused (every tile the same length) where the tile says ``persistent_unmasked``;
+    under a causal / window mask on a dense batch, persistent CTAs on the host's
+    longest-first schedule; everywhere else (varlen, seqused, too many tiles) one CTA per
     tile, which the hardware balances."""
     import dataclasses
 
@@ -110,35 +110,30 @@ def test_forward_walks():
     from triflash.kernels.portable import AttnParams
     q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
-    base = dataclasses.replace(configs.SM90_HOPPER_FWD[128], persistent=False,
-                               persistent_unmasked=True, persistent_masked=False)
+    base = dataclasses.replace(configs.SM90_HOPPER_FWD[128], persistent_unmasked=True)
 
     def how(left=-1, right=-1, cfg=base, tiles=12, **seq):
         p = AttnParams(0.1, left, right, 0.0, 300, 200)
         return fwd.walk(cfg, p, Problem(q, k, p, **seq), tiles)
     assert how() == "strided"
-    assert how(right=0) == "grid"                       # causal
-    assert how(left=64) == how(left=8, right=8) == "grid"
+    assert how(right=0) == how(left=64) == how(left=8, right=8) == "scheduled"  # causal / window
     assert how(seqused_k=torch.full((2,), 100, dtype=torch.int32)) == "grid"  # KV cache form
-    masked = dataclasses.replace(base, persistent_masked=True)
-    assert how(right=0, cfg=masked) == how(left=64, cfg=masked) == "scheduled"
-    assert how(cfg=masked) == "strided"
-    assert how(right=0, cfg=masked, tiles=SCHEDULE_MAX_TILES + 1) == "grid"
-    assert how(right=0, cfg=masked, seqused_q=torch.full((2,), 100, dtype=torch.int32)) == "grid"
+    assert how(right=0, tiles=SCHEDULE_MAX_TILES + 1) == "grid"
+    assert how(right=0, seqused_q=torch.full((2,), 100, dtype=torch.int32)) == "grid"
     qv, kv = q.flatten(0, 1), k.flatten(0, 1)
     cu_q = torch.tensor([0, 300, 600], dtype=torch.int32)
     cu_k = torch.tensor([0, 200, 400], dtype=torch.int32)
     for left, right in ((-1, -1), (-1, 0)):
         p = AttnParams(0.1, left, right, 0.0, 300, 200)
-        assert fwd.walk(masked, p, Problem(qv, kv, p, cu_q, cu_k), 12) == "grid"  # varlen
+        assert fwd.walk(base, p, Problem(qv, kv, p, cu_q, cu_k), 12) == "grid"  # varlen
     off = dataclasses.replace(base, persistent_unmasked=False)
     assert how(cfg=off) == "grid"
-    assert how(right=0, cfg=dataclasses.replace(off, persistent=True)) == "strided"  # forced
+    assert how(right=0, cfg=off) == "scheduled"
     # the launch: a persistent grid of at most one CTA per SM, and the schedule only when used
     out = torch.empty_like(q)
     lse = torch.empty(2, 4, 300)
-    for cfg, right, grid, scheduled in ((base, 0, 2 * 4 * 3, False), (masked, 0, 5, True),
-                                        (masked, -1, 5, False)):
+    for cfg, right, grid, scheduled in ((off, -1, 2 * 4 * 3, False), (base, 0, 5, True),
+                                        (base, -1, 5, False)):
         p = AttnParams(0.1, -1, right, 0.0, 300, 200)
         g, args = fwd.kernel_args(q, k, k, out, lse, p, cfg, num_sms=5)
         assert g == (grid,) and kernel_arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is scheduled
@@ -175,7 +170,6 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
     cfg = configs.SM90_HOPPER_FWD[128]
-    assert cfg.persistent_masked
     p = AttnParams(0.1, -1, 0, 0.0, 300, 200)
     monkeypatch.setattr(fwd, "schedule_table", lambda *a, **kw: None)
     g, args = fwd.kernel_args(q, k, k, torch.empty_like(q), torch.empty(2, 4, 300), p, cfg, num_sms=5)

@@ -131,11 +131,12 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
 
 
 def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False, cfg=None,
-                varlen: bool = False) -> dict:
+                varlen: bool = False, pieces: int = 1) -> dict:
     """The dK/dV kernel the dispatch runs at ``headdim`` with the tile of
     ``configs.SM90_HOPPER_BWD`` (or ``cfg``): ``hopper/bwd.py``'s, or ``hopper/bwd256.py``'s
     at head dim 256; ``atomic_dq``: with the in-kernel dQ (TMA reduce-add, the
-    deterministic=False launch where the tile has ``atomic_dq``);
+    deterministic=False launch where the tile has ``atomic_dq``), and with ``pieces`` > 1
+    the launch that splits the last wave's key tiles (``hopper.bwd.tail_pieces``);
     ``varlen``: packed sequences."""
     import torch
 
@@ -148,44 +149,33 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
     if cfg.dq_lag and atomic_dq:
         row["dq_lag"] = True
-    if cfg.dq_early and atomic_dq:
-        row["dq_early"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
         from triflash.kernels.hopper import bwd256
-        if cfg.timeline:  # the probe's buffer (only its dtype specializes the kernel)
-            bwd256.timeline_buffer = torch.empty(1 << 16, dtype=torch.int64)
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
-        return dict(kernel="hopper_bwd256", ds_wg1=cfg.ds_wg1, **row,
+        return dict(kernel="hopper_bwd256", ds_wg1=p.softcap == 0.0, **row,
                     **_compile(bwd256.hopper_bwd256_kernel, args))
-    # a tile with tail_split > 1 forces the split launch (every key tile in that many pieces)
-    split = (cfg.tail_split, 0, torch.empty(1)) if atomic_dq and cfg.tail_split > 1 else None
+    # pieces > 1 forces the split launch (every key tile in that many pieces; bwd.tail_pieces)
+    split = (pieces, 0, torch.empty(1)) if atomic_dq and pieces > 1 else None
     if split:
-        row["tail_split"] = cfg.tail_split
-    if cfg.timeline:  # the step probe's buffer (only its dtype specializes the kernel)
-        B.step_timeline_buffer = torch.empty(1 << 20, dtype=torch.int64)
-        row["timeline"] = True
+        row["tail_split"] = pieces
     args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, atomic_dq, split)
     return dict(kernel="hopper_bwd", **row, **_compile(B.hopper_bwd_kernel, args))
 
 
-def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, stages: int = 2,
-               varlen: bool = False, packed_cvt: bool = False, v_stages: int = 0,
-               own_blocks: bool = False) -> dict:
-    """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in a
-    ``stages``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
+def compile_dq(headdim: int, dtype: str, feature: str, block_n: int = 64, varlen: bool = False,
+               v_stages: int = 0) -> dict:
+    """The Gluon dQ kernel (``hopper/bwd_dq.py``) with ``block_n``-key tiles in its
+    ``STAGES``-deep ring (V in a ``v_stages``-deep ring of its own when > 0); ``varlen``:
     packed sequences."""
     from triflash.kernels.hopper import bwd_dq as Q
     pb, (q, k, v, do, dq, _, _), stat, delta, p = _backward(headdim, dtype, feature, varlen)
-    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, stages, packed_cvt=packed_cvt,
-                            v_stages=v_stages, own_blocks=own_blocks)
+    _, args = Q.kernel_args(pb, q, k, v, do, dq, stat, delta, p, block_n, v_stages=v_stages)
     row = dict(kernel="hopper_dq", headdim=headdim, dtype=dtype, feature=feature,
-               block_n=block_n, stages=stages)
+               block_n=block_n, stages=Q.STAGES)
     if v_stages:
         row["v_stages"] = v_stages
-    if own_blocks:
-        row["own_blocks"] = True
     if varlen:
         row["varlen"] = True
     return dict(row, **_compile(Q.hopper_dq_kernel, args))
@@ -207,20 +197,18 @@ def all_fwd(dtypes=("bf16", "fp16")):
 
 def all_bwd(dtypes=("bf16", "fp16")):
     """Every dK/dV tile of configs.SM90_HOPPER_BWD, dense in both dtypes and varlen in bf16;
-    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too, and where
-    it splits the last wave (``tail_split``) the split kernel without a mask; the
+    where the tile has ``atomic_dq`` (deterministic=False, dense) that variant too, and its
+    kernel splitting the last wave (``hopper.bwd.tail_pieces``) without a mask; the
     padded head dims (96, 192) in bf16, dense and varlen."""
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import PADDED_HEAD_DIMS, kernel_head_dim
     dims = sorted(configs.SM90_HOPPER_BWD)
     modes = {d: (False, True) if configs.SM90_HOPPER_BWD[kernel_head_dim(d)].atomic_dq else (False,)
              for d in dims + sorted(PADDED_HEAD_DIMS)}
-    import dataclasses
-    split = [d for d in dims if configs.SM90_HOPPER_BWD[d].atomic_dq and configs.SM90_HOPPER_BWD[d].tail_split != 1]
+    split = [d for d in dims if configs.SM90_HOPPER_BWD[d].atomic_dq]
     return ([compile_bwd(d, dt, f, a) for d in dims for dt in dtypes for f in FEATURES for a in modes[d]]
             # the last wave split in pieces (hopper.bwd.tail_pieces: 4), served without a mask
-            + [compile_bwd(d, dt, "plain", True, cfg=dataclasses.replace(configs.SM90_HOPPER_BWD[d], tail_split=4))
-               for d in split for dt in dtypes]
+            + [compile_bwd(d, dt, "plain", True, pieces=4) for d in split for dt in dtypes]
             + [compile_bwd(d, "bf16", f, varlen=True) for d in dims for f in FEATURES]
             + [compile_bwd(d, "bf16", f, a) for d in sorted(PADDED_HEAD_DIMS) for f in FEATURES
                for a in modes[d]]
@@ -228,106 +216,62 @@ def all_bwd(dtypes=("bf16", "fp16")):
 
 
 def all_dq(dtypes=("bf16", "fp16")):
-    """The Gluon dQ kernel at every head dim whose tile (configs.SM90_HOPPER_BWD) uses it,
+    """The Gluon dQ kernel at every head dim of configs.SM90_HOPPER_BWD with its tile,
     dense in both dtypes and varlen in bf16; the padded head dims (96, 192) dense and varlen
     in bf16."""
     from triflash.kernels import configs
     from triflash.kernels.hopper import bwd_dq as Q
     from triflash.kernels.hopper.common import PADDED_HEAD_DIMS
-    tiles = [(d, c) for d, c in sorted(configs.SM90_HOPPER_BWD.items()) if c.gluon_dq]
+    tiles = sorted(configs.SM90_HOPPER_BWD.items())
     padded = [(d, configs.SM90_HOPPER_BWD[w]) for d, w in sorted(PADDED_HEAD_DIMS.items())]
 
     def dq(d, c, dt, f, varlen=False):  # the tile as bwd.bwd launches it
         block_n, v_stages = Q.tile(c, varlen)
-        return compile_dq(d, dt, f, block_n, c.dq_stages, varlen=varlen, packed_cvt=c.packed_cvt,
-                          v_stages=v_stages, own_blocks=c.dq_own_blocks)
+        return compile_dq(d, dt, f, block_n, varlen=varlen, v_stages=v_stages)
     return ([dq(d, c, dt, f) for d, c in tiles for dt in dtypes for f in FEATURES]
             + [dq(d, c, "bf16", f, varlen=True) for d, c in tiles for f in FEATURES]
-            + [dq(d, c, "bf16", f, varlen=v) for d, c in padded if c.gluon_dq
-               for f in FEATURES for v in (False, True)])
+            + [dq(d, c, "bf16", f, varlen=v) for d, c in padded for f in FEATURES for v in (False, True)])
 
 
 def all_variants():
-    """Tile options the dispatch does not use, bf16: the one-at-a-time 16-bit conversions of
-    P / dS (``packed_cvt`` off; the dispatched tiles convert two at a time)
-    in the forward at every tile, plain and causal, the head-dim-256 dK/dV kernel with its
-    register-store epilogue and the dQ kernel; the head-dim-256 dK/dV kernel with its
-    ``timeline`` probe stamps (and the 128 dK/dV kernel with its per-step ones), and with K / V
+    """Tile options the dispatch does not use, bf16: the head-dim-256 dK/dV kernel with K / V
     read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
     left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
-    and ``dq_early`` (its dQ wgmmas before dK's) each flipped from the dispatched value (row
-    key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
-    and V's slots (``dq_split_v`` off) and of a varlen batch with 64-key ones
-    (``dq_split_v_varlen``), and the forward rescaling O before P V
-    (``rescale_early``), with its row max by a tree (``tree_max``), ``pingpong`` flipped and
-    per-thread partial row sums (``sum_partial``)."""
+    flipped from the dispatched value (row key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
+    and V's slots (``dq_split_v`` off), and the forward rescaling O before P V
+    (``rescale_early``) and with its row max by a tree (``tree_max``)."""
     import dataclasses
 
     from triflash.kernels import configs
-    from triflash.kernels.hopper import bwd_dq as Q
     rows = []
-    for d, c in sorted(configs.SM90_HOPPER_FWD.items()):
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, packed_cvt=False)),
-                             packed_cvt=False))
     b256 = configs.SM90_HOPPER_BWD[256]
-    for f in ("plain", "causal", "window-softcap"):
-        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, packed_cvt=False,
-                                                                               tma_epilogue=False)),
-                         packed_cvt=False))
-    for d, c in sorted(configs.SM90_HOPPER_BWD.items()):
-        for f in ("plain", "causal"):
-            rows.append(dict(compile_dq(d, "bf16", f, c.dq_block_n, c.dq_stages, packed_cvt=False),
-                             packed_cvt=False))
     for d in (64, 128, 256):  # O rescaled before P V is issued (rescale_early)
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_FWD[d],
                                                                                 rescale_early=True)),
-                             packed_cvt=configs.SM90_HOPPER_FWD[d].packed_cvt, rescale_early=True))
-    # the 64 / 128 dK/dV kernel with each dQ-order option flipped from its dispatched value:
-    # the in-kernel dQ one block later (dq_lag) and dQ's wgmmas before dK's (dq_early)
-    for opt in ("dq_lag", "dq_early"):
+                             rescale_early=True))
+    # the 64 / 128 dK/dV kernel with the in-kernel dQ one block later (dq_lag) flipped
+    for opt in ("dq_lag",):
         for d in (64, 128):
             c = configs.SM90_HOPPER_BWD[d]
             value = not getattr(c, opt)
             for f in ("plain", "causal"):
                 rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, **{opt: value})),
-                                 packed_cvt=c.packed_cvt, option=f"{opt}={int(value)}"))
+                                 option=f"{opt}={int(value)}"))
     for f in ("plain", "causal"):  # the head-dim-256 dQ kernel of a dense batch without dq_split_v
-        rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n, b256.dq_stages, packed_cvt=b256.packed_cvt),
-                         packed_cvt=b256.packed_cvt, option="dq_split_v=0"))
-    for d in (128, 256):  # each consumer's own key blocks (dq_own_blocks), dense (256: 64-key tiles)
-        c = configs.SM90_HOPPER_BWD[d]
-        for f in ("causal", "window-softcap"):
-            block_n, v_stages = Q.tile(c, False)
-            rows.append(dict(compile_dq(d, "bf16", f, block_n, c.dq_stages, packed_cvt=c.packed_cvt,
-                                        v_stages=v_stages, own_blocks=not c.dq_own_blocks),
-                             packed_cvt=c.packed_cvt, option=f"dq_own_blocks={int(not c.dq_own_blocks)}"))
-    for f in FEATURES:  # ... and of a varlen batch with it (dq_split_v_varlen)
-        rows.append(dict(compile_dq(256, "bf16", f, 64, b256.dq_stages, varlen=True, packed_cvt=b256.packed_cvt,
-                                    v_stages=1),
-                         packed_cvt=b256.packed_cvt, option="dq_split_v_varlen=1"))
+        rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n), option="dq_split_v=0"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):
-    # each row's max of S by a tree (tree_max), the consumers' turns (pingpong; 64: round
-    # robin over three), the turns on named barriers (named_turns), per-thread partial row
-    # sums (sum_partial), and at 256 the stale
-    # running max (rescale_threshold) and the persistent walk of unmasked tiles with one Q
-    # slot (persistent_unmasked); O's rescale decided per warp (warp_skip)
+    # each row's max of S by a tree (tree_max), at 256 the persistent walk of unmasked tiles with one Q slot
+    # (persistent_unmasked), at 128 / 256 the walk without the split tail (split_keys)
     for d, name in FWD_FLIPPED:
         c = configs.SM90_HOPPER_FWD[d]
         option = {name: configs.flipped(c, name)}
         for f in ("plain", "causal"):
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(c, **option)),
-                             packed_cvt=c.packed_cvt, option=",".join(f"{k}={v}" for k, v in option.items())))
+                             option=",".join(f"{k}={v}" for k, v in option.items())))
     for f in ("plain", "causal"):
-        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, timeline=True)),
-                         packed_cvt=b256.packed_cvt, timeline=True))
-        c = configs.SM90_HOPPER_BWD[128]  # the 64 / 128 kernel's per-step stamps
-        rows.append(dict(compile_bwd(128, "bf16", f, True, cfg=dataclasses.replace(c, timeline=True)),
-                         packed_cvt=c.packed_cvt))
-        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, reg_a=0)),
-                         packed_cvt=b256.packed_cvt, reg_a=0))
+        rows.append(dict(compile_bwd(256, "bf16", f, cfg=dataclasses.replace(b256, reg_a=0)), reg_a=0))
     return rows
 
 
@@ -342,9 +286,8 @@ def code_of(ptx: str) -> str:
 
 PARTS = ("fwd", "bwd", "dq", "variants")
 # (head dim, forward option) compiled flipped from its dispatched value in the variants part
-FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max", "pingpong", "sum_partial", "named_turns"))) + (
-    (256, "rescale_threshold"), (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys")) + tuple(
-    (d, "warp_skip") for d in (64, 128, 256))
+FWD_FLIPPED = tuple(itertools.product((64, 128, 256), ("tree_max",))) + (
+    (256, "persistent_unmasked"), (128, "split_keys"), (256, "split_keys"))
 
 
 def run_subprocess(part="fwd", timeout=900) -> list:
@@ -371,7 +314,7 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="the backward's dK/dV kernel instead of the forward")
     ap.add_argument("--dq", action="store_true", help="the backward's Gluon dQ kernels")
     ap.add_argument("--variants", action="store_true",
-                    help="tile options not dispatched (packed_cvt off, the timeline probe)")
+                    help="tile options not dispatched (each flipped from a tile's value)")
     ap.add_argument("--dump", metavar="DIR",
                     help="also write each kernel's code_of(ptx) to DIR/<name>.ptx (diff two dumps "
                          "to check that a refactor compiles to the same program)")
@@ -390,6 +333,7 @@ def main(argv=None):
             os.makedirs(a.dump, exist_ok=True)
             name = "-".join(str(r[k]) for k in ("kernel", "headdim", "dtype", "feature", "atomic_dq") if k in r)
             name += "-varlen" if r.get("varlen") else ""
+            name += "-kvcache" if r.get("kvcache") else ""
             name += "-3wg" if r.get("num_consumers", 2) == 3 else ""
             name += f"-split{r['tail_split']}" if r.get("tail_split") else ""
             with open(os.path.join(a.dump, name + ".ptx"), "w") as fh:

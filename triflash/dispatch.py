@@ -15,7 +15,7 @@
                  persistent CTAs with two Q slots
                  on dense batches where the tile says so (hopper.fwd.walk: without
                  causal / window mask at 64 / 128, tile after tile; under one, on the
-                 host's longest-first schedule where the tile says persistent_masked);
+                 host's longest-first schedule at every head dim);
                  without a mask at 96-256 (tile.split_keys) a part-empty last round of
                  tiles cut into equal shares of key blocks, one per SM, the pieces
                  merged after (hopper.fwd.split_keys, hopper/split_combine.py)

@@ -55,23 +55,11 @@ class HopperFwdConfig:
     block_n: int
     stages: int
     num_consumers: int = 2
-    # consumers take turns issuing wgmmas (FA3's scheduler barrier; three consumers in a round
-    # robin, as FA4's head-dim-64 forward: at 64 in SM90_HOPPER_FWD with tree_max and
-    # sum_partial, the three together 510.6 -> 525.5 / 484.7 -> 493.0 on 2x8192x32x64,
-    # probes/probe-rounds-95960bf.json at fb45c0d, where the same kernel measured twice gave
-    # 510.6 and 519.3 / 484.7 and 491.9)
-    pingpong: bool = False
-    # the turns on named barriers (``bar.sync`` to take one, ``bar.arrive`` to pass it on: FA3
-    # / FA4's warp scheduler barriers) instead of mbarriers (a polled wait, and an arrive by
-    # one thread that Triton's barrier pass brackets with warpgroup syncs). The same
-    # outputs, bit for bit.
-    named_turns: bool = False
-    # P to 16 bits two at a time (hopper.common.to_16bit: no byte permutes before the PV
-    # wgmma; the same values). On: off -> on in interleaved rounds
-    # (probes/probe-rounds-packed-8ce1f2a.json at fb45c0d) 64 464.1 -> 503.4 / 430.7 ->
-    # 451.6, 128 621.6 -> 639.3 / 575.9 -> 595.1, seed 649.8 -> 674.4 / 630.7 -> 645.3,
-    # 16x1024x16x128 536.9 -> 553.4 / 404.0 -> 420.7.
-    packed_cvt: bool = True
+    # (Every tile: the consumers take turns issuing wgmmas, a round robin over three at 64,
+    # on named barriers, ``hopper.fwd._take_turn``; without turns, or on mbarriers:
+    # docs/performance.md.)
+    # (Every tile: P to 16 bits two at a time, ``hopper.common.to_16bit``; one at a time:
+    # docs/performance.md.)
     # (Not kept: ``exp2_emu``, one exponential in every 4 / 8 by a polynomial on the FMA
     # units instead of the MUFU, slower at every head dim: docs/performance.md.)
     # Q held in registers as the A operand of every S = Q K^T wgmma instead of read from
@@ -114,60 +102,31 @@ class HopperFwdConfig:
     # 674.1 / 650.2 -> 644.8, then 670.6 -> 681.2 / 638.5 -> 633.9,
     # probes/probe-rounds-{23cee87,ac47225}.json at fb45c0d). Dispatched at 256.
     rescale_early_unmasked: bool = False
-    # A row keeps its running max unless a block raises it by more than this many log2 units
-    # (0: the exact running max, every block rescales O): its p are then at most 2^threshold
-    # and its alpha exactly 1, and O is rescaled only where some row of the warpgroup's 64
-    # needs it (``hopper.fwd._rescale``; FA4's 8.0 on Blackwell). After the first blocks a
-    # row's max rarely rises by 8, so most blocks skip the 64 x D multiply (128 FMULs per
-    # thread at 256).
-    # Only where O is rescaled after P V retires (not ``rescale_early``), unless decided per
-    # warp (``warp_skip``): the warpgroup-wide min between S's issue and P V's costs more
-    # than it saves there.
-    # Measured (off -> 8.0, beside cuDNN, probes/probe-rounds-6393090.json at fb45c0d): seed
-    # causal (late rescale) 651.8 -> 670.1, every round above; with the early rescale seed
-    # non-causal 679.8 -> 639.5, 128 640.0 -> 640.6 / 613.3 -> 608.3, 64 516.7 -> 451.0 /
-    # 493.9 -> 447.6. Dispatched: 8.0 at 64 / 128 / 256, with ``warp_skip``.
-    rescale_threshold: float = 0.0
-    # ``_rescale``'s decision per warp instead of per warpgroup: each warp holds 16 of the
-    # warpgroup's 64 rows of O, so a ``vote.any`` over its rows' alpha != 1 and a uniform
-    # branch around its own multiplies (inline PTX, ``hopper.fwd._rescale_warp``) skip O
-    # with no cross-warp reduction (the warpgroup-wide min: two BAR.SYNC per key block). It
-    # applies with the early rescale too, and with the exact running max (threshold 0) O
-    # is skipped where no row of the warp raised its max (alpha = exp2(0) = 1): the same
-    # bits as the unconditional multiply. Measured (off -> on -> on with the threshold 8.0,
-    # probes/probe-rounds-0919854.json at fb45c0d): 64 517.9 -> 521.4 -> 534.2 / 494.3 ->
-    # 494.9 -> 496.5, 128 646.9 -> 637.0 -> 654.1 / 615.8 -> 600.8 -> 623.7, seed (threshold
-    # 8.0 in both) 694.9 -> 722.0 / 674.1 -> 685.4. Dispatched with 8.0 at 64 / 128 / 256.
-    warp_skip: bool = False
+    # (Every tile: a row's running max kept until a block raises it by more than
+    # ``hopper.fwd.RESCALE_THRESHOLD`` = 8, and O's rescale skipped per warp where its rows'
+    # alpha are all 1, ``hopper.fwd._rescale``; threshold 0, or every block multiplying O, or
+    # the decision per warpgroup: docs/performance.md.)
     # Each row's max of S by a tree (``hopper.fwd._row_max``): a thread's columns halved
     # pairwise down to 8 before the quad's shuffles, instead of Triton's in-thread reduction,
     # one FMNMX chain through all of the thread's 32 (128 keys) or 16 columns of the row,
     # whose latency sits between S's wait and the first exponential (FA4 keeps 4 chains).
     # The same maxima, bit for bit. Alone (off -> on, probes/probe-rounds-95960bf.json at
     # fb45c0d): 64 510.6 -> 513.1 / 484.7 -> 492.0, 128 642.7 -> 638.6 / 602.5 -> 612.2,
-    # seed 694.0 -> 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD (with sum_partial and
-    # the round-robin turns).
+    # seed 694.0 -> 692.1 / 667.7 -> 665.7; at 64 in SM90_HOPPER_FWD (with the per-thread
+    # partial row sums and the round-robin turns).
     tree_max: bool = False
-    # Each row's running sum l kept as per-thread partial sums over the thread's own columns
-    # (a tree, no shuffles) and added across the quad once per tile, not every block (FA4's
-    # Hopper softmax): two shuffles and two adds fewer per row and block, other rounding.
-    # Measured (off -> on, probes/probe-rounds-95960bf.json at fb45c0d): seed 694.0 -> 693.6
-    # / 667.7 -> 675.4, 128 642.7 -> 648.6 / 602.5 -> 611.1, 64 510.6 -> 520.2 / 484.7 ->
-    # 475.7. Dispatched at 64 / 128 / 256.
-    sum_partial: bool = False
+    # (Every tile: each row's running sum l kept as per-thread partial sums and added across
+    # the quad once per tile, ``hopper.fwd._partial_sums``; every block's sum across the
+    # quad: docs/performance.md.)
     # (Not kept, slower though the outputs were the same bits: ``thread_arrives``, every
     # consumer thread arriving on the K / V free and turn barriers (4 -> 2 BAR.SYNC per key
     # block), and ``pv_overlap``, a basic-block split that keeps the exponentials under the
     # in-flight P V wgmma: docs/performance.md.)
-    persistent: bool = False   # one CTA per SM walking the tiles, else one CTA per tile
-    # persistent only where every tile has the same length (dense, no causal / window mask)
+    # One CTA per SM walking the tiles where every tile has the same length (dense, no
+    # causal / window mask), else one CTA per tile. (Every tile: under a causal / window mask
+    # on a dense batch, persistent CTAs walking the host's longest-first schedule,
+    # common.persistent_schedule; one CTA per tile there: docs/performance.md.)
     persistent_unmasked: bool = False
-    # persistent under a causal / window mask too (dense batches), the tiles handed out by the
-    # host's longest-first schedule (common.persistent_schedule)
-    persistent_masked: bool = False
-    # that schedule's estimate of a tile's fixed cost (Q load, O store, pipeline fill) in key
-    # blocks: tiles of a few blocks each (1k tokens) weigh it many times per CTA
-    schedule_overhead: int = 1
     # persistent only: Q tiles (each also the O staging of its tile) for this many tiles, so
     # the loader fetches the next tile's Q while this one runs (2: 2 x the Q shared memory)
     q_slots: int = 1
@@ -176,16 +135,15 @@ class HopperFwdConfig:
     # ``common.split_schedule``; the pieces merged by ``hopper.split_combine``): 1 where the
     # schedule's estimate says it saves time, 2 whenever that round is part empty (tests).
     split_keys: int = 0
-    consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240)
-    loader_regs: int = 24      # setmaxnreg for the loader warp (FA3: 24)
+    consumer_regs: int = 240   # setmaxnreg per consumer thread (FA3: 240; the loader's: common.LOADER_REGS)
 
 
 @dataclass(frozen=True)
 class HopperBwdConfig:
     """Gluon sm90 dK/dV kernel (kernels/hopper/bwd.py): 2 consumer warpgroups x 64 keys, one
-    TMA loader warp; Q/dO rings of ``stages`` slots of 64 query rows."""
+    TMA loader warp (``hopper.bwd.NUM_CONSUMERS``, ``BLOCK_N`` keys per CTA); Q/dO rings of
+    ``stages`` slots of 64 query rows."""
     stages: int
-    num_consumers: int = 2
     # True (deterministic=False, dense batches): dQ inside the dK/dV kernel, each warpgroup's
     # fp32 column slice over the CTA's keys added in L2 by a TMA reduce-add (5 matmuls; the
     # order of the adds varies, so the bits may too), with Q/dO rings ``atomic_stages``
@@ -193,73 +151,37 @@ class HopperBwdConfig:
     # no atomics, bitwise reproducible).
     atomic_dq: bool = False
     atomic_stages: int = 2
-    # True: dQ by the Gluon dQ kernel (hopper/bwd_dq.py) with ``dq_block_n``-key K/V tiles
-    # in ``dq_stages``-deep rings (every dispatched tile: backward at 128 509.6 / 468.6
-    # against 445.2 / 402.7 with the Triton dQ kernel in an earlier run,
-    # probes/hopper-bwd-speed-{gluon_dq1-8151f01,stages4-18c10c4}.json at fb45c0d); False:
-    # the Triton dQ kernel.
-    gluon_dq: bool = False
+    # dQ (where not inside the dK/dV kernel) by the Gluon dQ kernel (hopper/bwd_dq.py, every
+    # tile; the Triton one: docs/performance.md) with ``dq_block_n``-key K/V tiles in
+    # ``hopper.bwd_dq.STAGES``-deep rings.
     dq_block_n: int = 64
-    dq_stages: int = 2
     # Dense batches (> 0): the dQ kernel's K / V tiles hold this many keys instead, K in
-    # ``dq_stages`` slots and V in one slot of its own, freed once dP' has read it
+    # ``hopper.bwd_dq.STAGES`` slots and V in one slot of its own, freed once dP' has read it
     # (``hopper/bwd_dq.py`` V_STAGES = 1). At head dim 256 64-key tiles read 29% fewer
     # shared-memory bytes per multiply-add than 32-key ones (Q and dO, the wgmmas' A
     # operands, once per 64 keys: 160 KB per warpgroup and 64 keys against 2 x 112 KB), and
     # 2 K + 1 V slots fit (229680 B) where 2 K + 2 V do not (262448 B). Varlen batches keep
-    # ``dq_block_n`` unless ``dq_split_v_varlen`` (a varlen sequence's length is clamped at
-    # 0, so the kernel takes its opaque zero from the ``seqlen_q`` argument, and spills
-    # 16-28 B, none in its loops). Measured (off -> on, the batch packed as varlen,
-    # probes/bwd-probe-rounds-d256-varlen-1606532.json at fb45c0d): seed 446.6 -> 445.1 /
-    # 424.1 -> 430.3, 16x1024x8 340.9 -> 339.2 / 248.9 -> 251.5; its GPU tests passed
-    # (probes/variants-tests-1606532.txt at fb45c0d). Off: not yet in a complete run.
+    # ``dq_block_n`` (their 64-key tiles: docs/performance.md).
     dq_split_v: int = 0
-    dq_split_v_varlen: bool = False
-    # Under causal / window masks each consumer warpgroup of the dQ kernel computes only the
-    # key blocks its own 64 rows see (``common.n_block_range`` of them) and masks only where
-    # they need it, merely waiting for and releasing the tile's other slots (the forward's
-    # ``own_blocks``; ``hopper/bwd_dq.py`` OWN_BLOCKS). Causal, 64-key tiles: consumer 0 of
-    # a 128-row tile skips one of the tile's two diagonal blocks, 1.5% of its blocks at 8k
-    # and 11% at 1k, and each consumer masks one block instead of two. Compile-checked; its
-    # GPU test (``test_hopper_bwd_dq_own_blocks``) not yet run, nor the option measured: off.
-    dq_own_blocks: bool = False
-    # The separate dQ kernel (head dim 256, deterministic=True, varlen) launched on a side
-    # stream right after the dK/dV kernel instead of after it on the caller's stream: the
-    # two read the same inputs and write different outputs, so the dQ kernel's CTAs fill
-    # the SMs that the dK/dV kernel's last, partial wave leaves idle (and its ramp-down);
-    # the caller's stream waits for both. Measured (medians off -> on, beside cuDNN,
-    # probes/bwd-probe-rounds-d256-146cd3e.json at fb45c0d): seed 441.6 -> 444.5 / 431.9 ->
-    # 427.8, 16x1024x8 375.9 -> 379.1 / 295.1 -> 302.4: no gain at the seed causal; off.
-    dq_stream: bool = False
+    # (Not kept: ``dq_own_blocks``, each dQ consumer computing only its own rows' key blocks,
+    # never measured; the dQ kernel on a side stream beside the dK/dV kernel,
+    # ``dq_stream``: docs/performance.md.)
     # (Not kept, each within noise at head dim 256: persistent dQ and dK/dV kernels on the
     # host's longest-first schedule, a longest-first order of the dK/dV CTAs across KV heads
     # (``ordered_keys``), each key tile's unmasked query blocks before its masked ones
     # (``full_first``): docs/performance.md.)
-    # Head dim 256 (hopper/bwd256.py) only: dS^T computed by the dP^T warpgroup from P^T in
-    # 16 bits (no fp32 dP^T exchange through shared memory); not with softcap.
-    ds_wg1: bool = False
-    # P^T and dS^T (dS in the dQ kernel) to 16 bits two at a time (hopper.common.to_16bit:
-    # no byte permutes before the wgmmas that read them from registers; the same values).
-    # On: fewer instructions, and within noise of off (off -> on,
-    # probes/bwd-probe-rounds-d{128,256}-8ce1f2a.json at fb45c0d: 2x8192x16x128 535.4 ->
-    # 535.6 / 495.1 -> 498.7, seed 435.3 -> 427.7 / 417.3 -> 418.3, rounds spread 419-438).
-    packed_cvt: bool = True
-    # Head dim 256 only (dense batches): dK / dV out through each warpgroup's K / V half
-    # tiles by TMA stores instead of register stores (off -> on with packed_cvt:
-    # 16x1024x8x256 349.2 -> 363.9 / 268.8 -> 287.8, seed 427.7 -> 435.7 / 418.3 -> 410.9,
-    # the causal seed's rounds spread 406-429; again at 3372345, off against on:
-    # 16x1024x8x256 349.2 / 273.3 against 369.1 / 293.8, seed 437.8 / 422.5 against 443.3 /
-    # 432.3: probes/bwd-probe-rounds-d256-{8ce1f2a,3372345}.json at fb45c0d). Dispatched at
-    # 256.
-    tma_epilogue: bool = False
+    # (Head dim 256, hopper/bwd256.py: dS^T computed by the dP^T warpgroup from P^T in 16
+    # bits but with softcap, ``DS_WG1``; the fp32 dP^T exchange without softcap:
+    # docs/performance.md.)
+    # (Every tile: P^T and dS^T (dS in the dQ kernel) to 16 bits two at a time,
+    # ``hopper.common.to_16bit``; one at a time: docs/performance.md.)
+    # (Head dim 256, dense batches: dK / dV out through each warpgroup's K / V half tiles by
+    # TMA stores, ``TMA_EPILOGUE``; register stores there: docs/performance.md.)
     # (Not kept: ``early_q``, K and V on two barriers and the first Q loaded before V so
     # that the S^T warpgroup starts without waiting for V: within the rounds' spread,
     # docs/performance.md.)
-    # Probe instrumentation, never dispatched: at 256 (dense, with tma_epilogue) per-CTA clock
-    # stamps into ``hopper.bwd256.timeline_buffer``; at 64 / 128 (hopper/bwd.py)
-    # per-step stamps of each warpgroup into ``hopper.bwd.step_timeline_buffer``
-    # (scripts/bwd_timeline.py, --steps for the latter).
-    timeline: bool = False
+    # (Removed: ``timeline``, probe clock stamps per CTA at 256 and per step at 64 / 128,
+    # scripts/bwd_timeline.py: docs/performance.md.)
     # The first ``reg_a`` (0, 1, 2) of each consumer warpgroup's two 64 x 128 A-operand tiles
     # held in registers instead of read from shared memory by every query block's wgmmas
     # (head dim 256: WG0's K halves for S^T, WG1's V halves for dP'^T; 64 / 128, hopper/bwd.py:
@@ -278,12 +200,10 @@ class HopperBwdConfig:
     reg_a: int = 0
     # (Not kept: ``stagger``, WG1's dP'^T issued after WG0's S^T so that the tensor cores
     # run it during WG0's exponentials: slower, docs/performance.md.)
-    # hopper/bwd.py with the in-kernel dQ and no mask: the key tiles of the last, partial wave
-    # of CTAs each run as ``hopper.bwd.tail_pieces`` CTAs over parts of its query blocks,
-    # storing fp32 dK / dV that a small kernel sums and writes out (4096 tiles on 132 SMs:
-    # the last 4 in quarters). 1: never; 0: where tail_pieces says it pays; P > 1: every
-    # shape, P pieces (tests).
-    tail_split: int = 1
+    # (Every tile with the in-kernel dQ, no mask: the key tiles of the last, partial wave of
+    # CTAs each run as ``hopper.bwd.tail_pieces`` CTAs over parts of their query blocks
+    # where it says that pays, storing fp32 dK / dV that a small kernel sums and writes out;
+    # never splitting: docs/performance.md.)
     # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued one block later
     # (four dS^T slots, the first step's dQ that of a zero block), so that a warpgroup
     # waits for the other's dS^T of the block before, not of this one: the two warpgroups
@@ -296,24 +216,10 @@ class HopperBwdConfig:
     dq_lag: bool = False
     # (Not kept: ``dq_alt``, the warpgroups taking turns at whole dQ row blocks: slower,
     # docs/performance.md.)
-    # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued before its dK
-    # wgmma, so that they retire first and the warpgroup stages and reduces its dQ slice while
-    # dK's wgmma runs (without it dQ is issued last and reduced after every wgmma of the step
-    # has retired). FA4's sm90 backward orders them this way (dV, both warpgroups' dS^T, dQ,
-    # wait for dV, dK, wait for dQ, stage dQ, wait for dK). Measured (medians off -> on,
-    # beside cuDNN, probes/bwd-probe-rounds-d{64,128}-df641a1.json at fb45c0d): 128
-    # 2x8192x16 529.1 -> 534.6 / 492.6 -> 498.9 (cuDNN 524.9 / 479.2), 64 2x8192x32 (with
-    # dq_lag) 450.4 -> 451.8 / 428.7 -> 435.8 (cuDNN 435.4 / 396.5); faster in every paired
-    # round that neither side lost to the card's noise. Dispatched at 64 and 128.
-    dq_early: bool = False
+    # (Every tile with the in-kernel dQ: each query block's dQ wgmmas issued before its dK
+    # wgmma, FA4's sm90 order, ``hopper.bwd._bwd_step``; dQ issued last: docs/performance.md.)
     # (Not kept: ``s_first``, S^T issued before dP^T so that P's exponentials run under dP^T
     # (FA4's sm90 order): slower at 128, within the spread at 64, docs/performance.md.)
-    consumer_regs: int = 240
-    loader_regs: int = 24
-
-    @property
-    def block_n(self) -> int:
-        return 64 * self.num_consumers
 
     def reg_a_for(self, softcap: float) -> int:
         """``reg_a`` where it applies: not with softcap (its tanh temporaries next to the
@@ -366,10 +272,8 @@ SM90_BWD = {
 #   tiles (hopper-fwd-tiles-509b418.json): 64: 128 keys x 2-3 stages 404/387 > 64 x 4 370/355;
 #     128: 128 x 2 595/551 > 64 x 3-4 544/502; 256: 64 x 2 681/631 > 32 x 4 509/492
 #     (64 x 3 does not fit in shared memory).
-#   schedules (hopper-fwd-schedules-33a8e80.json, 8k tokens): pingpong helps at 128 (616/569
-#     vs 601/563) and 256 causal (657 vs 650), not at 64 with two consumers (three in a
-#     round robin are dispatched: ``pingpong`` above); the persistent loop (one Q slot) did
-#     not pay at 8k and was erratic at 1k.
+#   schedules (hopper-fwd-schedules-33a8e80.json, 8k tokens): the persistent loop (one Q
+#     slot) did not pay at 8k and was erratic at 1k (the consumers' turns: docs/performance.md).
 #   three consumer warpgroups at 64 (192-row tiles, 160 registers per consumer thread;
 #     hopper-fwd64-speed_*-30c2e0d.json, 2x8192x32): 128 keys x 3 stages 476.9/427.4
 #     against two consumers' 415.2/406.2 (cuDNN 465.5/439.7 in the same process); 64 keys x 4
@@ -383,45 +287,28 @@ SM90_BWD = {
 #     or window masks (2x8192x16x128 causal 560.3 -> 532.5 one process earlier: the static
 #     tile-to-CTA assignment cannot balance tiles of different lengths as the hardware does).
 #   persistent CTAs under causal / window masks on the host's longest-first schedule
-#     (persistent_masked, common.persistent_schedule; causal, three interleaved rounds,
-#     probe-rounds_pm-*.json): 128 2x8192x16 570.1 -> 591.1, 576.5 -> 592.3, 563.6 ->
-#     585.3; 4x4096x16 512.6 -> 536.4; 8x2048x16 453.3 -> 482.9; 16x1024x16 358.7 -> 338.7,
-#     355.7 -> 281.6, 349.4 -> 398.6 (host-bound, noisy); 64 2x8192x32 425.1 -> 432.1,
-#     418.1 -> 431.0; 256 seed 639.5 -> 636.5, 623.4 -> 630.7, 2x8192x8 602.1 -> 621.9,
-#     8x2048x8 521.7 -> 527.4, 4x4096x8 578.8 -> 590.0, 1x16384x8 630.7 -> 634.0. One Q
-#     slot at 128 is below two (472.5 / 520.9 / 576.8 at 2k / 4k / 8k); schedule_overhead 3
-#     or 6 instead of 1: within noise. Check: 27 of 27 (probe-check_pm-7c818c1.json).
+#     (every tile, common.persistent_schedule; against one CTA per tile:
+#     docs/performance.md). One Q slot at 128 is below two (472.5 / 520.9 / 576.8 at 2k /
+#     4k / 8k, probe-rounds_pm-short-32a4efd.json). Check: 27 of 27
+#     (probe-check_pm-7c818c1.json).
 # (head dims 96 and 192 run the 128 and 256 tiles: hopper/common.py PADDED_HEAD_DIMS)
 SM90_HOPPER_FWD = {
-    # Beyond the tiles: tree_max, sum_partial and the round robin of turns at 64, sum_partial
-    # at 128 / 256 (probes/probe-rounds-95960bf.json at fb45c0d); the turns on named barriers
-    # (named_turns, probes/probe-rounds-named1.json at fb45c0d); the split tail at 128 / 256
-    # (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d: 2x8192x16x128
-    # 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3, 4x4096x16x128
-    # 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there); O's rescale decided per
-    # warp (warp_skip) with the threshold 8.0 at every head dim
-    # (probes/probe-rounds-0919854.json at fb45c0d: 2x8192x32x64 517.9 -> 534.2,
-    # 2x8192x16x128 646.9 -> 654.1 / 615.8 -> 623.7, seed 694.9 -> 721.2 / 674.1 -> 676.1).
-    64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160,
-                        persistent_unmasked=True, persistent_masked=True, q_slots=2, own_blocks=True,
-                        rescale_early=True, pingpong=True, named_turns=True, tree_max=True,
-                        sum_partial=True, rescale_threshold=8.0, warp_skip=True),
-    128: HopperFwdConfig(block_n=128, stages=2, pingpong=True, named_turns=True, persistent_unmasked=True,
-                         persistent_masked=True, q_slots=2, q_regs=True, rescale_early=True,
-                         sum_partial=True, split_keys=1, rescale_threshold=8.0, warp_skip=True),
-    256: HopperFwdConfig(block_n=64, stages=2, pingpong=True, named_turns=True, persistent_masked=True,
-                         rescale_early_unmasked=True, rescale_threshold=8.0, sum_partial=True,
-                         split_keys=1, warp_skip=True),
+    # Beyond the tiles: tree_max at 64 (probes/probe-rounds-95960bf.json at fb45c0d); the split
+    # tail at 128 / 256 (split_keys, probes/probe-rounds-split_keys-404193d.json at fb45c0d:
+    # 2x8192x16x128 643.5 -> 651.7, 2x8192x8x256 674.3 -> 687.6, the seed 698.4 / 694.3,
+    # 4x4096x16x128 624.3 / 625.7; at 64, 2x8192x32 517.6 -> 513.2: not there).
+    64: HopperFwdConfig(block_n=128, stages=3, num_consumers=3, consumer_regs=160, persistent_unmasked=True,
+                        q_slots=2, own_blocks=True, rescale_early=True, tree_max=True),
+    128: HopperFwdConfig(block_n=128, stages=2, persistent_unmasked=True, q_slots=2, q_regs=True,
+                         rescale_early=True, split_keys=1),
+    256: HopperFwdConfig(block_n=64, stages=2, rescale_early_unmasked=True, split_keys=1),
 }
 
 
 def flipped(cfg, name):
     """``cfg``'s option ``name`` flipped, for the tests and compile rows of the options
-    against the dispatched tile: a flag negated, ``rescale_threshold`` 0.0 <-> 8.0,
-    ``split_keys`` 0 <-> 1."""
+    against the dispatched tile: a flag negated, ``split_keys`` 0 <-> 1."""
     value = getattr(cfg, name)
-    if name == "rescale_threshold":
-        return 8.0 if value == 0.0 else 0.0
     if name == "split_keys":
         return 0 if value else 1
     return not value
@@ -441,15 +328,13 @@ def flipped(cfg, name):
 # 536.0 / 488.3, separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs
 # 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, gluon_dq=True, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2,
-                        tail_split=0, dq_lag=True, dq_early=True),
-    128: HopperBwdConfig(stages=4, gluon_dq=True, atomic_dq=True, atomic_stages=2, tail_split=0, dq_early=True),
+    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2, dq_lag=True),
+    128: HopperBwdConfig(stages=4, atomic_dq=True, atomic_stages=2),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles for dense batches, V in one slot of its own:
     # ``dq_split_v``). Options measured and not kept: docs/performance.md.
-    256: HopperBwdConfig(stages=2, gluon_dq=True, dq_block_n=32, dq_stages=2, ds_wg1=True, tma_epilogue=True,
-                         reg_a=1, dq_split_v=64),
+    256: HopperBwdConfig(stages=2, dq_block_n=32, reg_a=1, dq_split_v=64),
 }
 
 # Any other GPU: conservative tiles that fit in 100 KB of shared memory (sm80/sm86/sm89).

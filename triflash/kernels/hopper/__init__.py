@@ -6,6 +6,8 @@ headdim_v, dense or varlen batches); everything else runs the portable Triton ti
 
 * ``fwd.py``: the forward kernel and its host side (``fwd``); tiles in
   ``configs.SM90_HOPPER_FWD``.
+* ``fwd_loader.py``: the forward's TMA loader warp and the walk of tiles (and split-tail
+  pieces) it shares with the consumers.
 * ``split_combine.py``: merges the pieces of a forward whose last round of tiles was cut
   along the keys (``split_keys``).
 * ``bwd.py``: the dK/dV kernel at head dims 64 / 96 / 128 (dQ inside it by TMA reduce-add

@@ -60,7 +60,6 @@ the lse_log2 / Delta buffers give each sequence its own padded rows (``common.st
 and dK / dV leave by masked stores (``common._store_rows``) where a TMA box would run into
 the next sequence.
 """
-import contextlib
 import functools
 
 import torch
@@ -75,11 +74,13 @@ from .. import configs, portable
 from . import bwd256, bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
-from .common import (Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view, a_operand, clock, descriptor,
-                     global_ns, kernel_head_dim, launch, num_sms, planned_launch, sm_id, stat_descriptor, stat_row0,
-                     stat_rows, tma_compatible, tma_reduce_add, to_16bit)
+from .common import (CONSUMER_REGS, LOADER_REGS, Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view,
+                     a_operand, descriptor, kernel_head_dim, launch, num_sms, planned_launch,
+                     stat_descriptor, stat_row0, stat_rows, tma_compatible, tma_reduce_add, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
+NUM_CONSUMERS = 2        # consumer warpgroups
+BLOCK_N = ROWS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
 BLOCK_M = 64             # query rows per streamed Q / dO tile
 HEAD_DIMS = (64, 96, 128, 192, 256)  # dispatched (= headdim_v); 96 / 192 computed as 128 / 256
 VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked dK/dV/dQ stores
@@ -92,16 +93,13 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
               tma_batch, head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2,
               window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, C: gl.constexpr, PACKED_CVT: gl.constexpr,
-              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False, TL=None, TIMELINE: gl.constexpr = 0,
-              DQ_EARLY: gl.constexpr = False):
+              ATOMIC_DQ: gl.constexpr, C: gl.constexpr,
+              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False):
     """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
     returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
     ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
     ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the S^T / dP^T wgmmas' A
-    operands, shared tiles or registers (``REG_A``). ``TIMELINE``: clock stamps at the step's
-    points 0-7 (``_step_stamp``). ``DQ_EARLY``: dQ's wgmmas issued before dK's and dQ reduced
-    while dK's runs (``configs.HopperBwdConfig.dq_early``)."""
+    operands, shared tiles or registers (``REG_A``)."""
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -116,7 +114,6 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     phase = (it // STAGES) & 1
     q_buf = q_ring.index(stage)
     do_buf = do_ring.index(stage)
-    _step_stamp(TL, C, it, 0, TIMELINE)
 
     # Per-query statistics come with the tiles (queries are the N axis of S^T): lse_log2 is
     # +inf for rows past len_q and rows that saw no key, so their P is exactly 0; Delta is
@@ -134,7 +131,6 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
     s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
-    _step_stamp(TL, C, it, 1, TIMELINE)
     lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
     if SOFTCAP:
         t = tanh(s * qk_scale)
@@ -152,7 +148,7 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         if HAS_LEFT:
             ok = ok & (diff >= len_k - len_q - window_left)
         p = gl.where(ok, p, 0.0)
-    p_op = gl.convert_layout(to_16bit(p, dtype, PACKED_CVT), op_layout)
+    p_op = gl.convert_layout(to_16bit(p, dtype), op_layout)
     if SOFTCAP:
         p = p * (1.0 - t * t)  # the softcap derivative, folded in before t dies
         mbarrier.wait(do_ready.index(stage), phase)
@@ -161,10 +157,8 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
                                is_async=True)
     # dV += P^T dO, P^T from registers
     dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-    _step_stamp(TL, C, it, 2, TIMELINE)
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
-    ds = to_16bit(p * dp, dtype, PACKED_CVT)  # dS^T = P^T (dP^T - Delta)
-    _step_stamp(TL, C, it, 3, TIMELINE)
+    ds = to_16bit(p * dp, dtype)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
         if DQ_LAG:
             # Four slots, block it in slot (it + 1) % 4 (slot 0 holds the zeros of a block
@@ -182,38 +176,22 @@ def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_read
         ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
-    if ATOMIC_DQ and DQ_EARLY:
+    if ATOMIC_DQ:
         # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
-        # and reduces dQ while dK's wgmma runs. Stamps: 5 dV and dQ retired, 6 dQ handed to
-        # the reduce, 7 dK retired.
+        # and reduces dQ while dK's wgmma runs (dQ after dK: docs/performance.md, "Tried and
+        # not kept").
         dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-        _step_stamp(TL, C, it, 4, TIMELINE)
         dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
-        _step_stamp(TL, C, it, 5, TIMELINE)
         _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
-        _step_stamp(TL, C, it, 6, TIMELINE)
         dk = warpgroup_mma_wait(0, deps=(dk_tok,))
         mbarrier.arrive(free.index(stage))
-        _step_stamp(TL, C, it, 7, TIMELINE)
         return dk, dv
     dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-    if ATOMIC_DQ:
-        dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
-        _step_stamp(TL, C, it, 4, TIMELINE)
-        dv, dk = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok))  # (the two dQ wgmmas go on)
-    else:
-        _step_stamp(TL, C, it, 4, TIMELINE)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-    _step_stamp(TL, C, it, 5, TIMELINE)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
     # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics are
     # in registers by now): one arrival per warpgroup.
     mbarrier.arrive(free.index(stage))
-    if ATOMIC_DQ:
-        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        _step_stamp(TL, C, it, 6, TIMELINE)
-        _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
-    _step_stamp(TL, C, it, 7, TIMELINE)
     return dk, dv
 
 
@@ -238,30 +216,6 @@ def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.con
             _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
     else:
         _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
-
-
-@gluon.jit
-def _step_stamp(TL, C: gl.constexpr, it, point: gl.constexpr, TIMELINE: gl.constexpr):
-    """``TIMELINE`` probe (scripts/bwd_timeline.py --steps): warpgroup ``C``'s clock at
-    ``point`` of its query-block step ``it`` where bit ``point`` of ``TIMELINE`` is set;
-    ``TL``: its stamps in this CTA's row (``_step_row``; steps from ``STEP_STEPS`` on are not
-    stamped; one thread stores)."""
-    if (TIMELINE >> point) & 1:
-        if it < _STEP_STEPS:
-            gl.store(TL + it * _STEP_POINTS + point, clock())
-
-
-@gluon.jit
-def _cta_row(TL):
-    """This CTA's row of ``STEP_SLOTS`` in ``TL`` (CTAs in grid order, axis 0 fastest)."""
-    cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    return TL + cta.to(gl.int64) * _STEP_SLOTS
-
-
-@gluon.jit
-def _step_row(TL, C: gl.constexpr):
-    """Where warpgroup ``C``'s step stamps start in this CTA's row of ``TL``."""
-    return _cta_row(TL) + 4 + C * _STEP_STEPS * _STEP_POINTS
 
 
 @gluon.jit
@@ -367,9 +321,8 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                   qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr,
-                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                  TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
+                  C: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -392,8 +345,6 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     dv = gl.zeros([KR, DV], gl.float32, ov_layout)
     neg_inv_scale = -1.0 / qk_scale
 
-    if TIMELINE != 0:
-        TL = _step_row(TL, C)
     mbarrier.wait(kv_bar, 0)
     k_a = a_operand(k_buf, REG_A > 0, s_layout)
     v_a = a_operand(v_buf, REG_A > 1, s_layout)
@@ -412,8 +363,8 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                                    q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
                                    dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
                                    qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C, PACKED_CVT,
-                                   m_min, m_max, DQ_LAG, TL, TIMELINE, DQ_EARLY)
+                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C,
+                                   m_min, m_max, DQ_LAG)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -473,9 +424,8 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                       ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PACKED_CVT: gl.constexpr, REG_A: gl.constexpr,
-                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False,
-                      TL=None, TIMELINE: gl.constexpr = 0, DQ_EARLY: gl.constexpr = False):
+                      REG_A: gl.constexpr,
+                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -500,12 +450,6 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
         HAS_SEQUSED_Q, HAS_SEQUSED_K)
     if SPLIT > 1:
         m_min, m_full_min, m_full_max, m_max = _piece(m_min, m_full_min, m_full_max, m_max, piece, pieces)
-    if TIMELINE != 0:  # (the row's header: SM, global ns and clock at entry, query-block steps)
-        row = _cta_row(TL)
-        gl.store(row, sm_id().to(gl.int64))
-        gl.store(row + 1, global_ns())
-        gl.store(row + 2, clock())
-        gl.store(row + 3, (group * (m_max - m_min)).to(gl.int64))
 
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, D], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KR, DV], dtype)
@@ -544,16 +488,16 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
                           tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM,
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
                           q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
                           DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
                           tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
                           m_min, m_full_min, m_full_max, m_max,
                           qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM, PACKED_CVT,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG, TL, TIMELINE, DQ_EARLY)),
+                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM,
+                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -622,46 +566,12 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
             descriptor(dq_accum, BLOCK_M, d // 2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            cfg.atomic_stages if atomic_dq else cfg.stages, cfg.num_consumers,
+            cfg.atomic_stages if atomic_dq else cfg.stages, NUM_CONSUMERS,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, q.shape[-1], cfg.packed_cvt,  # .., HEAD_DIM, PACKED_CVT
+            *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, q.shape[-1],  # .., HEAD_DIM
             cfg.reg_a_for(params.softcap),
-            n_full, ceil_div(pb.seqlen_k, cfg.block_n), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
-            cfg.dq_lag and atomic_dq,  # DQ_LAG
-            _step_timeline(pb, cfg, pieces, n_full) if cfg.timeline else None,  # TL
-            step_points if cfg.timeline else 0,  # TIMELINE
-            cfg.dq_early and atomic_dq]  # DQ_EARLY
-
-
-# Probe instrumentation (``HopperBwdConfig.timeline`` at 64 / 128, never dispatched;
-# scripts/bwd_timeline.py --steps): per CTA (grid order, axis 0 fastest) a row of STEP_SLOTS
-# int64 in ``step_timeline_buffer``: 0 SM id, 1 global ns and 2 clock at entry, 3 query-block
-# steps; then for warpgroup C and step i < STEP_STEPS, at 4 + (C * STEP_STEPS + i) *
-# STEP_POINTS, its clock at: 0 the step's start, 1 S^T (and dP^T) retired, 2 P formed and dV
-# issued, 3 dP^T retired and dS^T formed, 4 dK and dQ issued (dS^T stored, both warpgroups'
-# waited for), 5 dV and dK retired, 6 dQ retired, 7 dQ handed to the TMA reduce (the end).
-STEP_STEPS = 32
-STEP_POINTS = 8
-# Which points are stamped (bit i: point i): each stamp's clock read and store cost the 128
-# kernel registers (all eight: 948 B spilled against 104 B; points 0 and 7: 144 B; the 64
-# kernel none), so a probe picks what it needs.
-step_points = 0xFF
-STEP_SLOTS = 4 + 2 * STEP_STEPS * STEP_POINTS
-_STEP_STEPS = gl.constexpr(STEP_STEPS)
-_STEP_POINTS = gl.constexpr(STEP_POINTS)
-_STEP_SLOTS = gl.constexpr(STEP_SLOTS)
-step_timeline_buffer = None
-
-
-def _step_timeline(pb, cfg, pieces, n_full):
-    """The probe's buffer, checked against the launch's CTAs."""
-    n_tiles = ceil_div(pb.seqlen_k, cfg.block_n) * pb.nheads_kv * pb.batch
-    ctas = n_full + pieces * (n_tiles - n_full) if pieces > 1 else n_tiles
-    buf = step_timeline_buffer
-    if buf is None or buf.dtype != torch.int64 or buf.numel() < ctas * STEP_SLOTS:
-        raise ValueError(f"timeline: set hopper.bwd.step_timeline_buffer to an int64 tensor of >= {ctas} x "
-                         f"{STEP_SLOTS}")
-    return buf
+            n_full, ceil_div(pb.seqlen_k, BLOCK_N), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
+            cfg.dq_lag and atomic_dq]  # DQ_LAG
 
 
 def stats(pb, out, dout, lse):
@@ -701,9 +611,8 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     ``dispatch.hopper_bwd_supports`` accepts (the dispatch checks it once, before calling).
 
     dK/dV: ``hopper_bwd_kernel``, or ``bwd256`` at head dim 256. dQ: the Gluon dQ kernel
-    (``cfg.gluon_dq``), the portable ``bwd_dq_kernel`` (dense only), or, with ``cfg.atomic_dq``
-    and not ``deterministic`` (dense only), fp32 atomics inside the dK/dV kernel
-    (dq = dq_accum * scale)."""
+    (``hopper/bwd_dq.py``), or, with ``cfg.atomic_dq`` and not ``deterministic`` (dense
+    only), TMA reduce-adds inside the dK/dV kernel (dq = dq_accum * scale)."""
     pb = Problem(q, k, params, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     d = kernel_head_dim(q.shape[-1])  # 96 / 192: computed as 128 / 256
     cfg = cfg or configs.SM90_HOPPER_BWD[d]
@@ -725,24 +634,19 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     q4, k4, v4, do4, dk4, dv4 = (pb.view(x) for x in (q, k, v, dout, dk, dv))
     # (head dim 256: dQ always by the separate kernel)
     atomic_dq = cfg.atomic_dq and not deterministic and not pb.varlen and d not in SPLIT_D_HEAD_DIMS
-    # the Gluon dQ kernel beside the dK/dV kernel on a side stream (cfg.dq_stream): the side
-    # stream waits for the statistics only, the caller's stream for both kernels at the end
-    dq_side = _side_stream(q.device) if cfg.dq_stream and (cfg.gluon_dq or pb.varlen) and not atomic_dq else None
-    if dq_side is not None:
-        dq_side.wait_stream(torch.cuda.current_stream(q.device))
-    grid = (ceil_div(pb.seqlen_k, cfg.block_n), pb.nheads_kv, pb.batch)
+    grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     n_tiles = grid[0] * grid[1] * grid[2]
     pieces, n_split = 1, 0  # the last wave's n_split tiles in pieces (tail_pieces)
-    if atomic_dq and params.window_left < 0 and params.window_right < 0 and cfg.tail_split != 1:
+    if atomic_dq and params.window_left < 0 and params.window_right < 0:
         sms = num_sms(q.device)
-        pieces = cfg.tail_split or tail_pieces(n_tiles, sms)
+        pieces = tail_pieces(n_tiles, sms)
         n_split = n_tiles % sms or n_tiles
     if d in SPLIT_D_HEAD_DIMS:  # D split over the warpgroups; dQ by a separate kernel
         bwd256.launch(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, params, cfg)
     else:
         split = None
         if pieces > 1:
-            dkv_part = torch.empty(n_split * pieces * 2 * cfg.block_n * d, dtype=torch.float32, device=q.device)
+            dkv_part = torch.empty(n_split * pieces * 2 * BLOCK_N * d, dtype=torch.float32, device=q.device)
             split = (pieces, n_tiles - n_split, dkv_part)
             grid = (n_tiles - n_split + pieces * n_split, 1, 1)
         if atomic_dq:
@@ -754,43 +658,20 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
         def build():
             return grid, _kernel_args(pb, q4, k4, v4, do4, dk4, dv4, stat, delta, dq_accum, params, cfg,
                                       atomic_dq, split)
-        key = None if pb.varlen or cfg.timeline else (  # dense: a plan per signature (common.planned_launch)
+        key = None if pb.varlen else (  # dense: a plan per signature (common.planned_launch)
             "bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
             dv.stride(), q.dtype, q.get_device(), params, cfg, atomic_dq, pb.seq_flags, pieces)
         planned_launch(hopper_bwd_kernel, key, tensors, build)
         if split:
-            _split_fixup(pb, dk4, dv4, split, cfg.block_n, d)
+            _split_fixup(pb, dk4, dv4, split, BLOCK_N, d)
         if atomic_dq:
             _scale_into(dq, dq_accum, params.softmax_scale)
-    if not atomic_dq:
-        if cfg.gluon_dq or pb.varlen:
-            with torch.cuda.stream(dq_side) if dq_side is not None else contextlib.nullcontext():
-                block_n, v_stages = bwd_dq.tile(cfg, pb.varlen)
-                bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, block_n,
-                              cfg.dq_stages, cfg.packed_cvt, v_stages=v_stages, own_blocks=cfg.dq_own_blocks)
-            if dq_side is not None:
-                torch.cuda.current_stream(q.device).wait_stream(dq_side)
-            if dq_out is not dq:
-                dq.copy_(dq_out)
-            return _finish(dq, dk, dk_out, dv, dv_out)
-        # the portable dQ kernel reads LSE and Delta with one set of strides
-        s = portable._seq_args(q, k, None, None, None, None, params)
-        portable.launch_dq(q, k, v, dout, lse.contiguous(), delta[:, :, :pb.seqlen_q].contiguous(), dq,
-                           s, params, configs.SM90_BWD[d],
-                           portable._common_flags(q, v, params, upcast=False))
+    if not atomic_dq:  # the Gluon dQ kernel, after the dK/dV kernel on the caller's stream
+        block_n, v_stages = bwd_dq.tile(cfg, pb.varlen)
+        bwd_dq.launch(pb, q4, k4, v4, do4, pb.view(dq_out), stat, delta, params, block_n, v_stages=v_stages)
+        if dq_out is not dq:
+            dq.copy_(dq_out)
     return _finish(dq, dk, dk_out, dv, dv_out)
-
-
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device):
-    """The stream the dQ kernel runs on beside the dK/dV kernel (``HopperBwdConfig.dq_stream``),
-    one per device, made on first use (before any CUDA-graph capture of it, by a warm-up)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
 
 
 def tail_pieces(n_tiles: int, n_sm: int) -> int:

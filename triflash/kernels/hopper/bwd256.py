@@ -17,7 +17,7 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   dS^T = P^T dP'^T with P^T read back from ``pt_buf`` -> ``ds_buf`` (16-bit) for WG0;
   dV[:, 128:] += P^T dO[:, 128:] (P^T from ``pt_buf``); dK[:, 128:] += dS^T Q[:, 128:]
   (dS^T from registers).
-* ``DS_WG1`` off (always with softcap, whose dS needs WG0's tanh): WG1 hands dP'^T to WG0
+* ``DS_WG1`` off (with softcap, whose dS needs WG0's tanh): WG1 hands dP'^T to WG0
   in fp32 (``dp_buf``, XOR-swizzled: unswizzled, the accumulator's row pairs hit the same
   banks 8 ways and the backward was 8% slower), WG0 computes dS^T.
 * loader (1 warp): ``bwd_loader._bwd_loader`` with ``SPLIT_D``: K and V halves once; Q / dO halves
@@ -25,9 +25,9 @@ registers). Per query block (64 rows; every query head of the GQA group, as in b
   ``free`` barriers as in bwd.py). Every 256-wide tile is held as two 128-column halves, so
   no shared tile is ever sliced.
 
-Epilogue: with ``TMA_EPILOGUE`` (dense batches, dispatched) each warpgroup stages its dK /
-dV halves in its own K / V half tiles and TMA-stores them (``_store_half_tma``); else, and
-on varlen batches, masked register stores (``_store_half``).
+Epilogue: with ``TMA_EPILOGUE`` (dense batches) each warpgroup stages its dK / dV halves in
+its own K / V half tiles and TMA-stores them (``_store_half_tma``); on varlen batches masked
+register stores (``_store_half``).
 
 Exchange barriers (one completion per query block; a writer waits for the reader's
 previous completion): ``pt_ready`` / ``pt_free``, ``dp_ready`` / ``dp_free``,
@@ -37,13 +37,11 @@ the dP'^T side only needs P^T, so no two waits form a cycle.
 ``REG_A`` (dispatched: 1, not with softcap): the first column half of K (WG0) and of V (WG1)
 held in registers as the A operand of S^T / dP'^T, so that those wgmmas read only Q / dO
 from shared memory (the kernel is bound by shared-memory traffic: docs/hopper.md;
-``benchmarks/NOTES.md`` at fb45c0d, section b8688a0). ``TIMELINE``: probe clock stamps per
-CTA (``timeline_buffer`` below).
+``benchmarks/NOTES.md`` at fb45c0d, section b8688a0).
 
 Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB, dp 16 KB
 (softcap only); lse / Delta rings 1 KB: 214480 B (230912 B with softcap) of 232448.
 """
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
-from .common import (_acc_layout, _key_tile, _tma_view, a_operand, clock, descriptor, global_ns, kernel_head_dim, sm_id,
-                     planned_launch, stat_descriptor, to_16bit)
+from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _key_tile, _tma_view, a_operand, descriptor,
+                     kernel_head_dim, planned_launch, stat_descriptor, to_16bit)
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
@@ -67,8 +65,8 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, PACKED_CVT: gl.constexpr,
-               TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr, REG_A: gl.constexpr):
+               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr,
+               TMA_EPILOGUE: gl.constexpr, REG_A: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). ``REG_A``
     (``configs.HopperBwdConfig.reg_a``): the first ``REG_A`` K halves in registers."""
     dtype: gl.constexpr = k_bufs.dtype
@@ -87,8 +85,6 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
     mbarrier.wait(kv_bar, 0)
     k0 = a_operand(k_bufs.index(0), REG_A > 0, s_layout)  # the first REG_A halves in registers
     k1 = a_operand(k_bufs.index(1), REG_A > 1, s_layout)
-    if TIMELINE:
-        _stamp(DK, 4, clock())
     count = m_max - m_min
     bounds = (m_min, m_full_min, m_full_max, m_max)
     for g in range(group):
@@ -105,9 +101,6 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                                       gl.zeros([KN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
                 s_tok = warpgroup_mma(k1, q_ring.index(2 * stage + 1).permute((1, 0)), s_tok, is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
-                if TIMELINE:
-                    if it == 0:
-                        _stamp(DK, 5, clock())
                 lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
                 if SOFTCAP:
                     t = tanh(s * qk_scale)
@@ -123,7 +116,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     if HAS_LEFT:
                         ok = ok & (diff >= len_k - len_q - window_left)
                     p = gl.where(ok, p, 0.0)
-                p16 = to_16bit(p, dtype, PACKED_CVT)
+                p16 = to_16bit(p, dtype)
                 # P^T for WG1's half of dV (and its dS^T with DS_WG1)
                 mbarrier.wait(pt_free, x ^ 1)
                 pt_buf.store(p16)
@@ -145,7 +138,7 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     mbarrier.wait(dp_ready, x)
                     dp = dp_buf.load(s_layout)
                     mbarrier.arrive(dp_free)
-                    ds16 = to_16bit(p * dp, dtype, PACKED_CVT)
+                    ds16 = to_16bit(p * dp, dtype)
                     mbarrier.wait(ds_free, x ^ 1)
                     ds_buf.store(ds16)
                     fence_async_shared()
@@ -153,16 +146,11 @@ def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_re
                     dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_lo, dk, is_async=True)
                     dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
                 mbarrier.arrive(free.index(stage))
-    if TIMELINE:
-        _stamp(DK, 6, clock())
     if TMA_EPILOGUE:
         # K half 0 is read by WG0 only; V half 0 by WG1's dP'^T, whose last one retired
         # before WG1's last dS^T / dP'^T hand-off that WG0 waited for above
         _store_half_tma(dk * softmax_scale, dv, k_bufs.index(0), v_bufs.index(0), dk_desc, dv_desc,
                         tma_batch, key0, head_kv, 0)
-        if TIMELINE:
-            _stamp(DK, 7, clock())
-            _stamp(DK, 8, global_ns())
     else:
         _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                     start_k, key0, len_k, 0, o_layout, 2 * H)
@@ -192,7 +180,7 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
                tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
                dk_desc, dv_desc,
                STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
-               PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
+               TMA_EPILOGUE: gl.constexpr,
                REG_A: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM)."""
@@ -210,21 +198,16 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
     mbarrier.wait(kv_bar, 0)
     v0 = a_operand(v_bufs.index(0), REG_A > 0, s_layout)
     v1 = a_operand(v_bufs.index(1), REG_A > 1, s_layout)
-    if TIMELINE:
-        _stamp(DK, 9, clock())
     for it in range(group * (m_max - m_min)):
         stage = it % STAGES
         phase = (it // STAGES) & 1
         x = it & 1
         do_hi = do_ring.index(2 * stage + 1)
         dp = _dprobs_t(v0, v1, do_ring, delta_ring, do_ready, it, STAGES, s_layout, col_layout)
-        if TIMELINE:
-            if it == 0:
-                _stamp(DK, 10, clock())
         if DS_WG1:
             mbarrier.wait(pt_ready, x)
             dv_tok = warpgroup_mma(pt_buf, do_hi, dv, is_async=True)
-            ds16 = to_16bit(pt_buf.load(s_layout).to(gl.float32) * dp, dtype, PACKED_CVT)
+            ds16 = to_16bit(pt_buf.load(s_layout).to(gl.float32) * dp, dtype)
             mbarrier.wait(ds_free, x ^ 1)
             ds_buf.store(ds16)
             fence_async_shared()
@@ -248,17 +231,12 @@ def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_
             mbarrier.arrive(pt_free)
             mbarrier.arrive(ds_free)
         mbarrier.arrive(free.index(stage))
-    if TIMELINE:
-        _stamp(DK, 11, clock())
     if TMA_EPILOGUE:
         # V half 1 is read by WG1 only; K half 1 by WG0's S^T, whose last one retired before
         # WG0's last P^T hand-off that WG1 waited for above. The TMA store clips the
         # columns past HEAD_DIM (192).
         _store_half_tma(dk * softmax_scale, dv, k_bufs.index(1), v_bufs.index(1), dk_desc, dv_desc,
                         tma_batch, key0, head_kv, H)
-        if TIMELINE:
-            _stamp(DK, 12, clock())
-            _stamp(DK, 13, global_ns())
     else:
         _store_half(dk * softmax_scale, DK, stride_dkb, stride_dkn, stride_dkh, tma_batch, head_kv,
                     start_k, key0, len_k, H, o_layout, HEAD_DIM)
@@ -297,24 +275,14 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 
 
 @gluon.jit
-def _stamp(TL, slot: gl.constexpr, value):
-    """``TIMELINE`` probe: ``value`` into slot ``slot`` of this CTA's row of ``TIMELINE_SLOTS``
-    int64 in ``TL`` (one thread stores it)."""
-    cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    row = TL.to(gl.pointer_type(gl.int64), bitcast=True) + cta.to(gl.int64) * _SLOTS
-    gl.store(row + slot, value.to(gl.int64))
-
-
-@gluon.jit
 def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc,
                          DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr, IS_VARLEN: gl.constexpr,
+                         SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
                          HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         PACKED_CVT: gl.constexpr, TMA_EPILOGUE: gl.constexpr, TIMELINE: gl.constexpr,
                          REG_A: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
@@ -324,20 +292,15 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
     gl.static_assert(HEAD_DIM > H and HEAD_DIM <= 2 * H, "head dims 192 / 256 (columns past it are padding)")
-    gl.static_assert(not (TMA_EPILOGUE and IS_VARLEN), "TMA stores would cross into the next sequence")
-    gl.static_assert(TMA_EPILOGUE or not TIMELINE, "TIMELINE: DK is the timeline buffer (unused by TMA stores)")
+    # dS^T by WG1 from P^T in 16 bits, but with softcap (its dS needs WG0's tanh)
+    DS_WG1: gl.constexpr = not SOFTCAP
+    # dK / dV out by TMA stores, but on a varlen batch (they would cross into the next sequence)
+    TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
 
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
      m_min, m_full_min, m_full_max, m_max) = _key_tile(
         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
         window_left, window_right, BM, KN, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
-    if TIMELINE:
-        _stamp(DK, 0, sm_id())
-        _stamp(DK, 1, global_ns())
-        _stamp(DK, 2, clock())
-        _stamp(DK, 3, group * (m_max - m_min))
-        _stamp(DK, 14, key0)
-        _stamp(DK, 15, head_kv)
 
     half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, H], dtype)
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KN, BM], dtype)
@@ -372,12 +335,12 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
                        tma_batch, head_kv, group, start_k, key0, len_q, len_k,
                        m_min, m_full_min, m_full_max, m_max,
                        qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, PACKED_CVT, TMA_EPILOGUE, TIMELINE, REG_A)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, TMA_EPILOGUE, REG_A)),
          (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
                        pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
                        DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                        tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, PACKED_CVT, TMA_EPILOGUE, TIMELINE, REG_A)),
+                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, TMA_EPILOGUE, REG_A)),
          (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
                         kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
                         tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
@@ -392,7 +355,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
     d = q.shape[-1]
     assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"
     qk_scale, softcap_log2 = params.score_constants()
-    tma_epilogue = cfg.tma_epilogue and not pb.varlen
+    tma_epilogue = not pb.varlen  # (the kernel's TMA_EPILOGUE)
     grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     k_desc = descriptor(k, BLOCK_N, HALF)
     v_desc = descriptor(v, BLOCK_N, HALF)
@@ -401,43 +364,22 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             # unused without the TMA epilogue: K's / V's descriptors stand in
             descriptor(dk, BLOCK_N, HALF) if tma_epilogue else k_desc,
             descriptor(dv, BLOCK_N, HALF) if tma_epilogue else v_desc,
-            _timeline(grid, tma_epilogue) if cfg.timeline else dk, dv,  # (DK: the probe's buffer)
+            dk, dv,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
             cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            cfg.ds_wg1 and params.softcap == 0.0, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs, d,
-            cfg.packed_cvt, tma_epilogue, cfg.timeline, cfg.reg_a_for(params.softcap)]
+            *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, d, cfg.reg_a_for(params.softcap)]
     return grid, args
-
-
-# Probe instrumentation (``HopperBwdConfig.timeline``, never dispatched; scripts/bwd_timeline.py):
-# per CTA, TIMELINE_SLOTS int64 written into ``timeline_buffer`` (the caller's (CTAs,
-# TIMELINE_SLOTS) tensor, CTAs in grid order, axis 0 fastest): 0 SM id, 1 / 2 global ns /
-# SM clock at entry, 3 query blocks visited, 4-7 WG0's clock after K / V landed, after its
-# first S^T, after its last block, after its dK / dV stores, 8 WG0's global ns then; 9-13 the
-# same for WG1 (first dP^T); 14 first key, 15 KV head.
-TIMELINE_SLOTS = 16
-_SLOTS = gl.constexpr(TIMELINE_SLOTS)  # (the same, as the kernels see it)
-timeline_buffer = None
-
-
-def _timeline(grid, tma_epilogue):
-    ctas = grid[0] * grid[1] * grid[2]
-    buf = timeline_buffer
-    if not tma_epilogue or buf is None or buf.dtype != torch.int64 or buf.numel() < ctas * TIMELINE_SLOTS:
-        raise ValueError(f"timeline: set bwd256.timeline_buffer to an int64 tensor of >= {ctas} x "
-                         f"{TIMELINE_SLOTS} (dense batches, tma_epilogue on)")
-    return buf
 
 
 def launch(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
     """``cfg``: the ``configs.HopperBwdConfig`` tile. A dense batch launches through the plan
-    of its signature (``common.planned_launch``); varlen batches and the timeline probe
-    build their arguments every call."""
+    of its signature (``common.planned_launch``); varlen batches build their arguments every
+    call."""
     def build():
         return kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg)
-    key = None if pb.varlen or cfg.timeline else (
+    key = None if pb.varlen else (
         "bwd256", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), dk.stride(),
         dv.stride(), q.dtype, q.get_device(), params, cfg, pb.seq_flags)
     planned_launch(hopper_bwd256_kernel, key, (q, k, v, dout, dk, dv, stat, delta), build)

@@ -29,11 +29,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..common import ceil_div, n_block_range, tanh, visible
-from .common import (_acc_layout, _seq_query_tile, _store_query_tile, _tma_view, descriptor, kernel_head_dim,
-                     planned_launch, stat_row0, to_16bit)
+from ..common import ceil_div, tanh, visible
+from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _seq_query_tile, _store_query_tile, _tma_view,
+                     descriptor, kernel_head_dim, planned_launch, stat_row0, to_16bit)
 
 ROWS_PER_CONSUMER = 64
+NUM_CONSUMERS = 2  # consumer warpgroups
+# K / V ring slots (at 128 a 3-deep ring measured slower: docs/performance.md)
+STAGES = 2
 
 
 @gluon.jit
@@ -75,7 +78,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
 def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready, kv_free, v_free, dq, lse, delta,
              rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right, seqlen_q,
              STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, PACKED_CVT: gl.constexpr):
+             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
     """Key block ``n`` (ring slot ``it``); returns dq. Each wgmma is waited for inside the
     step (an async token cannot be carried through a loop); the two consumer warpgroups
     overlap each other's element-wise work and wgmmas."""
@@ -121,25 +124,13 @@ def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready
     ds = p * dp
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    ds_op = gl.convert_layout(to_16bit(ds, dtype, PACKED_CVT), op_layout)
+    ds_op = gl.convert_layout(to_16bit(ds, dtype), op_layout)
     dq_tok = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
     if V_STAGES != 0:  # (here, not right after dP' retired: fewer registers live)
         mbarrier.arrive(v_free.index(it % V_STAGES))  # V of this step is no longer read
     dq = warpgroup_mma_wait(0, deps=(dq_tok,))
     mbarrier.arrive(kv_free.index(stage))  # K (and V with a shared slot) no longer read
     return dq
-
-
-@gluon.jit
-def _dq_skip(it, kv_ready, kv_free, v_free, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    """A key block none of this consumer's rows sees (``OWN_BLOCKS``): its slot is waited for
-    (so that the arrivals count toward this block's phase, not the slot's previous one,
-    which the other consumer may still be reading) and released."""
-    stage = it % STAGES
-    mbarrier.wait(kv_ready.index(stage), (it // STAGES) & 1)
-    if V_STAGES != 0:
-        mbarrier.arrive(v_free.index(it % V_STAGES))
-    mbarrier.arrive(kv_free.index(stage))
 
 
 @gluon.jit
@@ -151,7 +142,7 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
                  STAGES: gl.constexpr, V_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
                  IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, PACKED_CVT: gl.constexpr, OWN_BLOCKS: gl.constexpr):
+                 HEAD_DIM: gl.constexpr):
     q_buf = q_bufs.index(CID)
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
@@ -175,32 +166,13 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
     delta = gl.load(DELTA + stat_off, mask=rows < len_q, other=0.0)
     dq = gl.zeros([BM, D], gl.float32, o_layout)
     mbarrier.wait(q_ready, 0)
-    if OWN_BLOCKS and (HAS_LEFT or HAS_RIGHT):
-        # This warpgroup's own key blocks: common.n_block_range of its 64 rows (a subset of
-        # the tile's); the tile's other blocks it only waits for and releases (_dq_skip).
-        # Rows all past len_q compute nothing (their P is 0).
-        c_min, c_full_min, c_full_max, c_max = n_block_range(
-            row_start // BM, len_q, len_k, window_left, window_right, BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        c_min = gl.minimum(gl.maximum(c_min, n_min), n_max)
-        c_max = gl.minimum(gl.maximum(c_max, c_min), n_max)
-        if row_start >= len_q:
-            c_max = c_min
-        c_full_min = gl.minimum(gl.maximum(c_full_min, c_min), c_max)
-        c_full_max = gl.minimum(gl.maximum(c_full_max, c_full_min), c_max)
-        for n in range(n_min, c_min):
-            _dq_skip(n - n_min, kv_ready, kv_free, v_free, STAGES, V_STAGES)
-        bounds = (c_min, c_full_min, c_full_max, c_max)
-    else:
-        bounds = (n_min, n_full_min, n_full_max, n_max)
+    bounds = (n_min, n_full_min, n_full_max, n_max)
     for seg in gl.static_range(3):  # masked left edge, unmasked middle, masked right edge
         for n in range(bounds[seg], bounds[seg + 1]):
             dq = _dq_step(n - n_min, n, q_bufs, do_bufs, CID, k_ring, v_ring, kv_ready, kv_free, v_free,
                           dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
                           softcap_log2, window_left, window_right, seqlen_q,
-                          STAGES, V_STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, PACKED_CVT)
-    if OWN_BLOCKS and (HAS_LEFT or HAS_RIGHT):
-        for n in range(bounds[3], n_max):
-            _dq_skip(n - n_min, kv_ready, kv_free, v_free, STAGES, V_STAGES)
+                          STAGES, V_STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
     _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
@@ -216,8 +188,7 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                      STAGES: gl.constexpr, V_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     PACKED_CVT: gl.constexpr, OWN_BLOCKS: gl.constexpr):
+                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -256,14 +227,14 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT, OWN_BLOCKS)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM)),
          (_dq_consumer, (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready,
                          kv_free, v_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
                          nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
                          CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
                          softcap_log2, window_left, window_right,
                          STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM, PACKED_CVT, OWN_BLOCKS)),
+                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM)),
          (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
                        kv_ready, kv_free, v_free, num_m_blocks, section_heads, nheads, nheads_kv,
                        seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -274,19 +245,19 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
 
 def tile(cfg, varlen):
     """(keys per K / V tile, V_STAGES) of the dQ kernel for ``cfg`` (a ``HopperBwdConfig``):
-    ``dq_split_v`` keys with V in one slot of its own on a dense batch (on a varlen batch
-    with ``dq_split_v_varlen``), else ``dq_block_n`` keys with V in K's slots."""
-    if cfg.dq_split_v and (not varlen or cfg.dq_split_v_varlen):
+    ``dq_split_v`` keys with V in one slot of its own on a dense batch, else ``dq_block_n``
+    keys with V in K's slots. (A varlen batch's 64-key tiles at 256: docs/performance.md,
+    "Tried and not kept".)"""
+    if cfg.dq_split_v and not varlen:
         return cfg.dq_split_v, 1
     return cfg.dq_block_n, 0
 
 
-def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num_consumers=2,
-                loader_regs=24, consumer_regs=240, packed_cvt=False, v_stages=0, own_blocks=False):
+def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, v_stages=0):
     """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
     views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
-    num_m_blocks = ceil_div(pb.seqlen_q, bm * num_consumers)
+    num_m_blocks = ceil_div(pb.seqlen_q, bm * NUM_CONSUMERS)
     qk_scale, softcap_log2 = params.score_constants()
     d = kernel_head_dim(q.shape[-1])  # 96 / 192: boxes 128 / 256 wide
     args = [descriptor(q, bm, d), descriptor(k, block_n, d), descriptor(v, block_n, d), descriptor(dout, bm, d),
@@ -294,20 +265,17 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, num
             pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,
             pb.section_heads(k, v, params), *pb.seq_args,
             qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            stages, v_stages, num_consumers, params.window_left >= 0, params.window_right >= 0,
-            params.softcap > 0.0, *pb.seq_flags, loader_regs, consumer_regs, q.shape[-1],  # .., HEAD_DIM,
-            packed_cvt, own_blocks]
+            STAGES, v_stages, NUM_CONSUMERS, params.window_left >= 0, params.window_right >= 0,
+            params.softcap > 0.0, *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, q.shape[-1]]  # .., HEAD_DIM
     return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
-def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, stages=2, packed_cvt=False, v_stages=0,
-           own_blocks=False):
+def launch(pb, q, k, v, dout, dq, stat, delta, params, block_n=64, v_stages=0):
     """A dense batch launches through the plan of its signature (``common.planned_launch``),
     a varlen one builds its arguments every call."""
     def build():
-        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, stages, packed_cvt=packed_cvt,
-                           v_stages=v_stages, own_blocks=own_blocks)
+        return kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, v_stages=v_stages)
     key = None if pb.varlen else (
         "dq", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), dq.stride(),
-        q.dtype, q.get_device(), params, block_n, stages, packed_cvt, v_stages, own_blocks, pb.seq_flags)
+        q.dtype, q.get_device(), params, block_n, v_stages, pb.seq_flags)
     planned_launch(hopper_dq_kernel, key, (q, k, v, dout, dq, stat, delta), build)

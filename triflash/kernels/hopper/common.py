@@ -19,6 +19,13 @@ from ..common import (launch_order, launch_sections, m_block_range, n_block_rang
                       seqlen_info, split_table)
 
 
+# setmaxnreg of every kernel's loader warp, and of its consumer warpgroups' threads (the
+# forward's: configs.HopperFwdConfig.consumer_regs, 160 with three consumers): FA3's split
+# of the register file.
+LOADER_REGS = 24
+CONSUMER_REGS = 240
+
+
 @gluon.constexpr_function
 def _acc_layout(n, dtype):
     """wgmma accumulator of one warpgroup: instr m16 x n x k(16 for 16-bit inputs)."""
@@ -39,22 +46,19 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def to_16bit(x, dtype: gl.constexpr, PACKED: gl.constexpr):
-    """fp32 ``x`` -> ``dtype`` (bf16 / fp16), round to nearest even. ``PACKED``: two at a time
+def to_16bit(x, dtype: gl.constexpr):
+    """fp32 ``x`` -> ``dtype`` (bf16 / fp16), round to nearest even, two at a time
     (``cvt.rn.{bf16,f16}x2.f32``, consecutive elements of a thread into one register, the
-    first in the low half): LLVM's one-at-a-time conversion comes out of ptxas as packs in
-    the wrong order plus two byte permutes (PRMT) per register when the result feeds a
+    first in the low half): LLVM's one-at-a-time ``x.to(dtype)`` comes out of ptxas as packs
+    in the wrong order plus two byte permutes (PRMT) per register when the result feeds a
     wgmma from registers (P in the forward: 576 PRMT at head dim 64, 384 at 128, 192 at 256;
-    none with ``PACKED``). The same values either way."""
-    if PACKED:
-        if dtype == gl.bfloat16:
-            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
-                                             dtype=gl.bfloat16, is_pure=True, pack=2)
-        else:
-            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
-                                             dtype=gl.float16, is_pure=True, pack=2)
+    none here). The same values either way (docs/performance.md, "Tried and not kept")."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
     else:
-        return x.to(dtype)
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                         dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -67,24 +71,6 @@ def a_operand(buf, IN_REGISTERS: gl.constexpr, acc_layout: gl.constexpr):
                                             k_width=32 // buf.dtype.primitive_bitwidth))
     else:
         return buf
-
-
-@gluon.jit
-def clock():
-    """This SM's cycle counter (``%clock64``; probe instrumentation)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def global_ns():
-    """The GPU's global nanosecond timer (``%globaltimer``; probe instrumentation)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def sm_id():
-    """The SM this CTA runs on (``%smid``; probe instrumentation)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -172,19 +158,18 @@ _CAPTURED_SCHEDULES = {}  # tables CUDA graphs read: never freed
 _NUM_SMS = {}
 
 
-def persistent_walk(unmasked: bool, masked: bool, pb, params, num_tiles: int) -> str:
+def persistent_walk(unmasked: bool, pb, params, num_tiles: int) -> str:
     """How the CTAs of a launch over ``num_tiles`` tiles take them: "grid", one CTA per tile
     (the hardware starts the next on whichever SM frees up); "strided", one persistent CTA
     per SM walking tile, tile + grid, ... (``unmasked``: asked for where every tile has the
-    same length, no causal / window mask); "scheduled", persistent CTAs walking the host's
-    longest-first schedule (``masked``: asked for under a mask; up to
-    ``SCHEDULE_MAX_TILES``). Dense batches only: varlen / seqused tile lengths live on the
-    device."""
+    same length, no causal / window mask); "scheduled", under a mask, persistent CTAs
+    walking the host's longest-first schedule (up to ``SCHEDULE_MAX_TILES``). Dense batches
+    only: varlen / seqused tile lengths live on the device."""
     if any(pb.seq_flags):  # (varlen, seqused_q, seqused_k)
         return "grid"
     if not params.masked:
         return "strided" if unmasked else "grid"
-    return "scheduled" if masked and num_tiles <= SCHEDULE_MAX_TILES else "grid"
+    return "scheduled" if num_tiles <= SCHEDULE_MAX_TILES else "grid"
 
 
 def num_sms(device) -> int:

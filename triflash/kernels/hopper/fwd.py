@@ -2,10 +2,10 @@
 
 One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, head):
 
-* **loader** (1 warp, few registers): TMA-loads each consumer's 64-row Q tile once, then
-  streams K and V tiles of the visited key blocks into ``STAGES``-deep rings. Each slot has
-  a ``ready`` barrier (TMA completes it with the byte count) and a ``free`` barrier (every
-  consumer arrives when its wgmma has read the slot).
+* **loader** (1 warp, few registers; ``hopper/fwd_loader.py``): TMA-loads each consumer's
+  64-row Q tile once, then streams K and V tiles of the visited key blocks into
+  ``STAGES``-deep rings. Each slot has a ``ready`` barrier (TMA completes it with the byte
+  count) and a ``free`` barrier (every consumer arrives when its wgmma has read the slot).
 * **consumers** (one warpgroup each, 64 query rows each): per key block
   ``S = Q K^T`` (wgmma, shared x shared), online softmax in registers (exp2, scale folded
   into log2 e), ``O += P V`` with P kept in registers as the wgmma A operand. The QK^T of
@@ -16,14 +16,14 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   ``common.n_block_range`` decides which is which, as in the portable kernels. With
   ``OWN_BLOCKS`` (``HopperFwdConfig.own_blocks``) each consumer takes that range for its
   own 64 rows: it computes only the blocks they see, masks only where they need it, and
-  merely waits for and releases the ring slots (and pingpong turns) of the tile's others
+  merely waits for and releases the ring slots (and turns) of the tile's others
   (``_own_blocks``, ``_skip_step``).
 * epilogue: O / l into the consumer's own Q tile (no longer needed), TMA store (rows past
   the sequence are clipped by the descriptor), LSE with plain stores.
 * persistent (``walk``): one CTA per SM walks tiles, on a dense batch without causal /
-  window mask tile, tile + grid, ... (``persistent`` / ``persistent_unmasked``: every tile
-  the same length), under a mask the host's longest-first schedule
-  (``persistent_masked``, ``common.persistent_schedule``: each tile to the CTA that would
+  window mask tile, tile + grid, ... (``persistent_unmasked``: every tile the same length),
+  under a mask the host's longest-first schedule
+  (``common.persistent_schedule``: each tile to the CTA that would
   free up first, as the hardware does for one CTA per tile); the K/V ring runs on across
   tiles, and with ``Q_SLOTS`` = 2 the Q tiles (each its tile's O staging) alternate, so the
   next tile's Q loads while this one runs.
@@ -45,95 +45,26 @@ the portable kernels): other head dims, headdim_v != headdim.
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ..common import ceil_div, n_block_range, scores, visible
-from .common import (SCHEDULE_MAX_TILES, Problem, _acc_layout, _seq_query_tile, _store_query_tile, _tile_at,
-                     _tile_walk, _tma_view, a_operand, descriptor, kernel_head_dim, launch, num_sms,
-                     persistent_walk, planned_launch, schedule_table, split_plan, to_16bit)
+from .common import (LOADER_REGS, SCHEDULE_MAX_TILES, Problem, _acc_layout, _store_query_tile,
+                     _tile_walk, a_operand, descriptor, kernel_head_dim, launch, num_sms, persistent_walk,
+                     planned_launch, schedule_table, split_plan, to_16bit)
+from .fwd_loader import Tiles, _clip_blocks, _fwd_loader, _piece_at, _q_slot
 from .split_combine import combine_args, split_combine_kernel
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma M
-
-
-@gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
-                k_ready, v_ready, k_free, v_free,
-                num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
-                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[1]
-    kv_base = 0
-    local = 0
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
-    for walk in range(first, end, step):
-        tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
-        (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
-         n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-            tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
-            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
-        if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
-            n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
-        # The Q tiles double as the O staging of the tile that last used the slot: wait for
-        # its stores (with two slots the next tile's Q loads while this one is computed).
-        # A fresh barrier counts as having completed the phase before 0.
-        slot, use = _q_slot(local, Q_SLOTS)
-        mbarrier.wait(q_free.index(slot), (use & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
-        for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0],
-                                            q_ready.index(slot),
-                                            _tma_view(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
-        count = n_max - n_min
-        for it in range(count):
-            n = n_max - 1 - it
-            g = kv_base + it
-            stage = g % STAGES
-            phase = (g // STAGES) & 1
-            mbarrier.wait(k_free.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                                            k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
-            mbarrier.wait(v_free.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
-                                            v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
-        kv_base += count
-        local += 1
-
-
-@gluon.jit
-def _piece_at(walk, SCHED, SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
-    """(tile, lo, hi, piece) at position ``walk`` of ``_tile_walk``: with ``PIECES`` an
-    entry of the host's ``common.split_table`` (key blocks [lo, hi) of the tile, ``piece``
-    its partial output's slot, -1 for the whole tile), else the whole tile."""
-    if PIECES:
-        at = SCHED + gl.num_programs(0) + 1 + 4 * walk
-        tile = gl.load(at)
-        lo = gl.load(at + 1)
-        hi = gl.load(at + 2)
-        piece = gl.load(at + 3)
-    else:
-        tile = _tile_at(walk, SCHED, SCHEDULED)
-        lo = 0
-        hi = 0
-        piece = -1
-    return tile, lo, hi, piece
-
-
-@gluon.jit
-def _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max):
-    """A tile's key block range (``n_block_range``'s four) cut to the piece [lo, hi)."""
-    n_min = gl.maximum(n_min, lo)
-    n_max = gl.maximum(gl.minimum(n_max, hi), n_min)
-    n_full_min = gl.minimum(gl.maximum(n_full_min, n_min), n_max)
-    n_full_max = gl.maximum(gl.minimum(n_full_max, n_max), n_full_min)
-    return n_min, n_full_min, n_full_max, n_max
+# A row's running max is kept until a key block raises it by more than this (log2 units; FA4's
+# Blackwell rule): most blocks then leave every alpha at 1 and skip O's rescale (``_rescale``).
+# Measured (five interleaved rounds, probes/probe-rounds-0919854.json at fb45c0d): off -> 8.0,
+# both with the per-warp skip, 64 521.4 -> 534.2, 128 637.0 -> 654.1 / 600.8 -> 623.7.
+RESCALE_THRESHOLD = 8.0
+_THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
+# The host's schedules (common.persistent_schedule, common.split_table) count a tile's fixed
+# cost (Q load, O store, pipeline fill) as this many key blocks: tiles of a few blocks each
+# (1k tokens) weigh it many times per CTA. 3 or 6 measured within noise of 1 (docs/performance.md).
+SCHEDULE_OVERHEAD = 1
 
 
 @gluon.jit
@@ -149,15 +80,6 @@ def _store_piece(out, lse, WS, WSL, piece, row_off, BMT: gl.constexpr, o_layout:
     cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     gl.store(WS + gl.expand_dims(o_rows * DV, 1) + gl.expand_dims(cols, 0), out)
     gl.store(WSL + base + gl.arange(0, BM, layout=row_layout), lse)
-
-
-@gluon.jit
-def _q_slot(local, Q_SLOTS: gl.constexpr):
-    """(Q slot, how many times it was used before) of the CTA's ``local``-th tile."""
-    if Q_SLOTS == 1:
-        return 0, local
-    else:
-        return local % Q_SLOTS, local // Q_SLOTS
 
 
 @gluon.jit
@@ -191,28 +113,24 @@ def _fold8(x, ADD: gl.constexpr):
 
 @gluon.jit
 def _partial_sums(p):
-    """[M, N] -> [M, 8] per-thread partial row sums (``HopperFwdConfig.sum_partial``;
-    ``_row_sum`` adds the 8 at the end)."""
+    """[M, N] -> [M, 8] per-thread partial row sums over the thread's own columns (a tree,
+    no shuffles; ``_row_sum`` adds the 8 across the quad at the end of the tile, FA4's Hopper
+    softmax: two shuffles and two adds fewer per row and key block. Each block's sum across
+    the quad instead: docs/performance.md, "Tried and not kept")."""
     return _fold8(p, True)
 
 
 @gluon.jit
-def _l_init(BM: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, PARTIAL: gl.constexpr):
-    """The running row sums l at 0: [BM] per row, or with ``PARTIAL`` [BM, 8] per-thread
-    partial sums (the layout ``_partial_sums`` leaves)."""
-    if PARTIAL:
-        return _partial_sums(gl.zeros([BM, BLOCK_N], gl.float32, s_layout))
-    else:
-        return gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
+def _l_init(BM: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The running row sums l at 0: [BM, 8] per-thread partial sums (the layout
+    ``_partial_sums`` leaves)."""
+    return _partial_sums(gl.zeros([BM, BLOCK_N], gl.float32, s_layout))
 
 
 @gluon.jit
-def _row_sum(l, row_layout: gl.constexpr, PARTIAL: gl.constexpr):
+def _row_sum(l, row_layout: gl.constexpr):
     """The rows' l from the running sums (``_l_init``): the quad's shuffles once per tile."""
-    if PARTIAL:
-        return gl.convert_layout(gl.sum(l, 1), row_layout)
-    else:
-        return l
+    return gl.convert_layout(gl.sum(l, 1), row_layout)
 
 
 @gluon.jit
@@ -232,15 +150,14 @@ def _row_max(s, TREE: gl.constexpr):
 @gluon.jit
 def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log2,
                     window_left, window_right, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, THRESHOLD: gl.constexpr = 0.0,
-                    TREE_MAX: gl.constexpr = False, SUM_PARTIAL: gl.constexpr = False):
+                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, TREE_MAX: gl.constexpr = False):
     """One online-softmax step on raw scores ``s`` = Q K^T: (p, alpha, m_new, l_new), with
     m and l in the log2 domain. Without softcap the scale is folded into the exponent, so
     each score costs one FFMA + one exp2 (FA3's trick): p = exp2(s * scale - max * scale).
-    ``THRESHOLD`` > 0 (``HopperFwdConfig.rescale_threshold``): a row keeps its running max
-    unless the block raises it by more than that (log2 units; its p are then at most
-    2^THRESHOLD, as exact in fp32 and 16 bits as below 1), so its alpha is exactly 1 and
-    ``_rescale`` can skip O; a row that has seen nothing (O and l are 0) gets alpha 1 too."""
+    A row keeps its running max unless the block raises it by more than ``RESCALE_THRESHOLD``
+    (log2 units; its p are then at most 2^8, as exact in fp32 and 16 bits as below 1), so its
+    alpha is exactly 1 and ``_rescale`` can skip O; a row that has seen nothing (O and l are
+    0) gets alpha 1 too."""
     if SOFTCAP:
         s = scores(s, qk_scale, softcap_log2, SOFTCAP)  # already log2-scaled
     if MASK:
@@ -250,8 +167,7 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
         m_new = gl.maximum(m_i, _row_max(s, TREE_MAX))
     else:
         m_new = gl.maximum(m_i, _row_max(s, TREE_MAX) * qk_scale)
-    if THRESHOLD > 0:
-        m_new = gl.where(m_new - m_i > THRESHOLD, m_new, m_i)  # (-inf - -inf is NaN: kept)
+    m_new = gl.where(m_new - m_i > _THRESHOLD, m_new, m_i)  # (-inf - -inf is NaN: kept)
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
     else:
@@ -261,13 +177,10 @@ def _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, qk_scale, softcap_log
     else:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    if THRESHOLD > 0 and MASK:
+    if MASK:
         alpha = gl.where(m_i == float("-inf"), 1.0, alpha)
-    if SUM_PARTIAL:  # l_i: [BM, 8] per-thread partial sums (``_l_init``)
-        part = _partial_sums(p)
-        l_new = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)), 1) + part
-    else:
-        l_new = l_i * alpha + gl.sum(p, 1)
+    part = _partial_sums(p)  # l_i: [BM, 8] per-thread partial sums (``_l_init``)
+    l_new = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)), 1) + part
     return p, alpha, m_new, l_new
 
 
@@ -293,28 +206,21 @@ _WARP_SKIP_ASM, _WARP_SKIP_CONSTRAINTS = (gl.constexpr(t) for t in zip(*(_warp_s
 
 
 @gluon.jit
-def _rescale(o_acc, alpha, o_layout: gl.constexpr, SKIP: gl.constexpr):
-    """O scaled by the rows' alpha. ``SKIP`` 0: always; 1 (``rescale_threshold``): not at all
-    where every alpha of the warpgroup's 64 rows is 1 (a warpgroup-wide min); 2
-    (``warp_skip``): each warp skips its own 16 rows where their alpha are all 1 (inline PTX,
-    ``_warp_skip_ptx``). Skipping multiplies by exactly 1: the same bits either way."""
-    if SKIP == 2:
-        DV: gl.constexpr = o_acc.shape[1]
-        gl.static_assert(o_acc.shape[0] == 64 and (DV == 64 or DV == 128 or DV == 256),
-                         "one warpgroup's 64 rows of O, 64 / 128 / 256 columns")
-        a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        o_acc = gl.inline_asm_elementwise(_WARP_SKIP_ASM[DV // 128], _WARP_SKIP_CONSTRAINTS[DV // 128],
-                                          [o_acc, a], dtype=gl.float32, is_pure=False, pack=DV // 2)
-    elif SKIP == 1:
-        if gl.min(alpha, 0) < 1.0:
-            o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    else:
-        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    return o_acc
+def _rescale(o_acc, alpha, o_layout: gl.constexpr):
+    """O scaled by the rows' alpha, decided per warp: each warp skips its own 16 rows where
+    their alpha are all 1 (inline PTX, ``_warp_skip_ptx``; no cross-warp reduction).
+    Skipping multiplies by exactly 1: the same bits either way. (Every block multiplying,
+    or the decision per warpgroup: docs/performance.md, "Tried and not kept".)"""
+    DV: gl.constexpr = o_acc.shape[1]
+    gl.static_assert(o_acc.shape[0] == 64 and (DV == 64 or DV == 128 or DV == 256),
+                     "one warpgroup's 64 rows of O, 64 / 128 / 256 columns")
+    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return gl.inline_asm_elementwise(_WARP_SKIP_ASM[DV // 128], _WARP_SKIP_CONSTRAINTS[DV // 128],
+                                     [o_acc, a], dtype=gl.float32, is_pure=False, pack=DV // 2)
 
 
-# Named barriers of the turns (``HopperFwdConfig.named_turns``): TURN_BARRIER + consumer
-# id. Triton's warp specialization uses ids 0-3 here (the partitions' own syncs, the
+# The consumers' turns at issuing wgmmas (FA3 / FA4's warp scheduler barriers) are named
+# barriers: TURN_BARRIER + consumer id. Triton's warp specialization uses ids 0-3 here (the partitions' own syncs, the
 # CTA-wide one); 16 exist. _TURN_ASM[ARRIVE * 3 + id]: the PTX that waits on (``bar.sync``)
 # or arrives at (``bar.arrive``) one, for the 256 threads of two consumer warpgroups.
 TURN_BARRIER = 12
@@ -330,36 +236,27 @@ def _named_barrier(ID: gl.constexpr, ARRIVE: gl.constexpr):
 
 
 @gluon.jit
-def _take_turn(turns, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
-    """Pingpong: wait until the consumer before has issued its wgmmas (FA3's warp scheduler
-    barrier; with three consumers a round robin, as FA4's at head dim 64), so one
-    warpgroup's softmax runs under the others' matrix multiplies. ``PINGPONG`` 1: the turns
-    are mbarriers (``turns``, phase ``turn & 1``); 2: named barriers, as FA3 / FA4
-    (``HopperFwdConfig.named_turns``: no polling, and none of the warpgroup syncs that
-    Triton's barrier pass puts around a one-thread ``mbarrier.arrive``)."""
-    if PINGPONG == 2:
-        _named_barrier(CID, False)
-    elif PINGPONG:
-        mbarrier.wait(turns.index(CID), turn & 1)
+def _take_turn(CID: gl.constexpr):
+    """Wait until the consumer before has issued its wgmmas (FA3's warp scheduler barrier;
+    with three consumers a round robin, as FA4's at head dim 64), so one warpgroup's softmax
+    runs under the others' matrix multiplies. On named barriers, as FA3 / FA4: no polling,
+    and none of the warpgroup syncs that Triton's barrier pass puts around a one-thread
+    ``mbarrier.arrive`` (turns without them, or on mbarriers: docs/performance.md, "Tried
+    and not kept")."""
+    _named_barrier(CID, False)
 
 
 @gluon.jit
-def _pass_turn(turns, CID: gl.constexpr, PINGPONG: gl.constexpr):
+def _pass_turn(CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """... to the next consumer (round robin over two or three)."""
-    N: gl.constexpr = turns.shape[0]
-    if PINGPONG == 2:
-        _named_barrier((CID + 1) % N, True)
-    elif PINGPONG:
-        mbarrier.arrive(turns.index((CID + 1) % N))
+    _named_barrier((CID + 1) % NUM_CONSUMERS, True)
 
 
 @gluon.jit
-def _first_turn(CID: gl.constexpr, PINGPONG: gl.constexpr):
-    """Named-barrier turns: consumer 0 arrives on its own barrier once, so it issues first
-    (the mbarrier turns start with an arrival in the kernel's prologue)."""
-    if PINGPONG == 2:
-        if CID == 0:
-            _named_barrier(0, True)
+def _first_turn(CID: gl.constexpr):
+    """Consumer 0 arrives on its own barrier once, so it issues first."""
+    if CID == 0:
+        _named_barrier(0, True)
 
 
 @gluon.jit
@@ -390,15 +287,15 @@ def _own_blocks(row_start, len_q, len_k, window_left, window_right, n_min, n_ful
 
 
 @gluon.jit
-def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.constexpr, CID: gl.constexpr,
-               PINGPONG: gl.constexpr):
+def _skip_step(g, k_ready, v_ready, k_free, v_free, STAGES: gl.constexpr, CID: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr):
     """A key block none of this consumer's rows sees: its turn is taken and passed, its ring
     slot waited for (an arrival must not count toward the slot's previous phase) and
     released."""
     stage = g % STAGES
     phase = (g // STAGES) & 1
-    _take_turn(turns, turn, CID, PINGPONG)
-    _pass_turn(turns, CID, PINGPONG)
+    _take_turn(CID)
+    _pass_turn(CID, NUM_CONSUMERS)
     mbarrier.wait(k_ready.index(stage), phase)
     mbarrier.arrive(k_free.index(stage))
     mbarrier.wait(v_ready.index(stage), phase)
@@ -406,15 +303,14 @@ def _skip_step(g, k_ready, v_ready, k_free, v_free, turns, turn, STAGES: gl.cons
 
 
 @gluon.jit
-def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free, turns, turn,
+def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
               o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
               qk_scale, softcap_log2, window_left, window_right,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              CID: gl.constexpr, PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr,
+              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
-              THRESHOLD: gl.constexpr = 0.0, TREE_MAX: gl.constexpr = False,
-              SUM_PARTIAL: gl.constexpr = False, SKIP: gl.constexpr = 0):
+              TREE_MAX: gl.constexpr = False):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
     returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
@@ -428,45 +324,42 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     o_layout: gl.constexpr = _acc_layout(DV, q_buf.dtype)
     stage = g % STAGES
     prev = (g - 1) % STAGES
-    _take_turn(turns, turn, CID, PINGPONG)
+    _take_turn(CID)
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     s_tok = warpgroup_mma(q_buf, k_ring.index(stage).permute((1, 0)),
                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     if RESCALE_EARLY:
-        o_acc = _rescale(o_acc, alpha_prev, o_layout, SKIP)
+        o_acc = _rescale(o_acc, alpha_prev, o_layout)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p_prev, v_ring.index(prev), o_acc, is_async=True)
-    _pass_turn(turns, CID, PINGPONG)
+    _pass_turn(CID, NUM_CONSUMERS)
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_free.index(stage))
     cols = (n_max - 1 - it) * BLOCK_N + cols0
     p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
                                          qk_scale, softcap_log2, window_left, window_right,
-                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
-                                         SUM_PARTIAL)
+                                         MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
     if not RESCALE_EARLY:
-        o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
-    p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_prev.type.layout)
+        o_acc = _rescale(o_acc, alpha, o_layout)
+    p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_prev.type.layout)
     return o_acc, m_i, l_i, p_prev, alpha
 
 
 @gluon.jit
 def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
-                  v_free, turns, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
-                  num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                  total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                  v_free, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
+                  tiles, SCHED, WS, WSL,
                   qk_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  IS_VARLEN: gl.constexpr,
                   HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
                   SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr, THRESHOLD: gl.constexpr,
-                  TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr, PIECES: gl.constexpr,
-                  SKIP: gl.constexpr):
+                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
+                  TREE_MAX: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -476,24 +369,22 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
-    _first_turn(CID, PINGPONG)
+    _first_turn(CID)
     kv_base = 0
-    turn = 0
     local = 0
-    first, end, step = _tile_walk(num_tiles, SCHED, SCHEDULED)
+    first, end, step = _tile_walk(tiles.num_tiles, SCHED, SCHEDULED)
     for walk in range(first, end, step):
         tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
-         n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-            tile, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-            CU_Q, CU_K, USED_Q, USED_K, window_left, window_right,
-            BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+         n_min, n_full_min, n_full_max, n_max) = tiles.query_tile(
+            tile, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+            HAS_SEQUSED_Q, HAS_SEQUSED_K)
         if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
             n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
         row_start = row0 + CID * BM
         rows = row_start + gl.arange(0, BM, layout=row_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
-        l_i = _l_init(BM, BLOCK_N, s_layout, SUM_PARTIAL)
+        l_i = _l_init(BM, BLOCK_N, s_layout)
         o_acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
         slot, use = _q_slot(local, Q_SLOTS)
         q_buf = q_bufs.index(slot * NUM_CONSUMERS + CID)
@@ -508,8 +399,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 row_start, len_q, len_k, window_left, window_right, n_min, n_full_min, n_full_max, n_max,
                 BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for it in range(0, lead):
-                _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it, STAGES, CID,
-                           PINGPONG)
+                _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, STAGES, CID, NUM_CONSUMERS)
         else:  # the tile's range for every consumer
             lead: gl.constexpr = 0
             end = count
@@ -521,20 +411,19 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             # slower).
             g0 = kv_base + lead
             stage = g0 % STAGES
-            _take_turn(turns, turn + lead, CID, PINGPONG)
+            _take_turn(CID)
             mbarrier.wait(k_ready.index(stage), (g0 // STAGES) & 1)
             s_tok = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
                                   gl.zeros([BM, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
-            _pass_turn(turns, CID, PINGPONG)
+            _pass_turn(CID, NUM_CONSUMERS)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_free.index(stage))
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
                                                  len_q, len_k, qk_scale, softcap_log2,
                                                  window_left, window_right,
-                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, THRESHOLD, TREE_MAX,
-                                                 SUM_PARTIAL)
-            p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype, PACKED_CVT), p_layout)
+                                                 True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX)
+            p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
             # own rows; unrolled: MASK is a compile-time constant per segment).
             r1 = gl.maximum(n_max - c_full_max, lead + 1)
@@ -547,37 +436,33 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
                 for it in range(bounds[seg], bounds[seg + 1]):
                     o_acc, m_i, l_i, p_prev, alpha = _fwd_step(
                         kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
-                        v_free, turns, turn + it, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
+                        v_free, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
                         qk_scale, softcap_log2, window_left, window_right,
-                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, PINGPONG, PACKED_CVT,
-                        alpha, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, SKIP)
+                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, NUM_CONSUMERS,
+                        alpha, RESCALE_EARLY, TREE_MAX)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
-                o_acc = _rescale(o_acc, alpha, o_layout, SKIP)
+                o_acc = _rescale(o_acc, alpha, o_layout)
             g_last = kv_base + end - 1
             last = g_last % STAGES
-            _take_turn(turns, turn + end, CID, PINGPONG)
+            _take_turn(CID)
             mbarrier.wait(v_ready.index(last), (g_last // STAGES) & 1)
             o_tok = warpgroup_mma(p_prev, v_ring.index(last), o_acc, is_async=True)
-            _pass_turn(turns, CID, PINGPONG)
+            _pass_turn(CID, NUM_CONSUMERS)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(v_free.index(last))
             if OWN_BLOCKS and HAS_LEFT:  # blocks left of its rows' window
                 for it in range(end, count):
-                    _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, turns, turn + it + 1,
-                               STAGES, CID, PINGPONG)
-            if not OWN_BLOCKS:
-                turn += count + 1
+                    _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, STAGES, CID, NUM_CONSUMERS)
         if OWN_BLOCKS:
             if count > 0:
-                if end == lead:  # (every block skipped: one more turn, so both take count + 1)
-                    _take_turn(turns, turn + count, CID, PINGPONG)
-                    _pass_turn(turns, CID, PINGPONG)
-                turn += count + 1
+                if end == lead:  # (every block skipped: one more turn, so each takes count + 1)
+                    _take_turn(CID)
+                    _pass_turn(CID, NUM_CONSUMERS)
         kv_base += count
 
         # A row that saw no key: output 0, lse = -inf (never NaN).
-        l_row = _row_sum(l_i, row_layout, SUM_PARTIAL)
+        l_row = _row_sum(l_i, row_layout)
         seen = l_row > 0.0
         l_safe = gl.where(seen, l_row, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -617,13 +502,12 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
                       qk_scale, softcap_log2, window_left, window_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      PINGPONG: gl.constexpr, PACKED_CVT: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      IS_VARLEN: gl.constexpr,
                       HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
                       SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
                       OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-                      THRESHOLD: gl.constexpr, TREE_MAX: gl.constexpr, SUM_PARTIAL: gl.constexpr,
-                      PIECES: gl.constexpr, SKIP: gl.constexpr):
+                      TREE_MAX: gl.constexpr, PIECES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -644,8 +528,11 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # pingpong: one turn barrier per consumer, round robin (FA4's scheduler barriers)
-    TURNS: gl.constexpr = NUM_CONSUMERS if PINGPONG else 2
+    # One mbarrier per consumer, initialised and never waited on: the turns' barriers before
+    # they moved to named barriers (``_take_turn``). Kept, with consumer 0's arrival below:
+    # without them the shared-memory offsets, and so the instructions, of the kernel measured
+    # on the H200 change.
+    TURNS: gl.constexpr = NUM_CONSUMERS
     turns = gl.allocate_shared_memory(gl.int64, [TURNS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
@@ -657,70 +544,65 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
         mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(TURNS):
         mbarrier.init(turns.index(i), count=1)
-    mbarrier.arrive(turns.index(0))  # consumer 0 issues first
+    mbarrier.arrive(turns.index(0))
 
-    # (Gluon takes each partition's arguments spelled out: a shared tuple would turn the
-    # constexprs into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
+    tiles = Tiles(num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+                  CU_Q, CU_K, USED_Q, USED_K)
+    # (Gluon takes each partition's constexpr arguments spelled out: a shared tuple would turn
+    # them into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
     if NUM_CONSUMERS == 3:
         gl.warp_specialize(
             [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
-                        num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
+                        tiles, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
                         HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize(
             [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, turns, o_desc, O, stride_om, stride_oh,
+                          k_free, v_free, o_desc, O, stride_om, stride_oh,
                           LSE, stride_lseb, stride_lseh, stride_lsem,
-                          num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                          total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
+                          tiles, SCHED, WS, WSL,
                           qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, PINGPONG, PACKED_CVT,
+                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, THRESHOLD, TREE_MAX, SUM_PARTIAL, PIECES, SKIP)),
+                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
              (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
                         k_ready, v_ready, k_free, v_free,
-                        num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                        total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, window_left, window_right,
+                        tiles, SCHED, window_left, window_right,
                         NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
                         HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -755,7 +637,7 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     if how == "scheduled":
         sched = schedule_table(q.device, (pb.batch * pb.nheads, num_m_blocks, sections, pb.seqlen_q, pb.seqlen_k,
                                           params.window_left, params.window_right, bm * cfg.num_consumers,
-                                          cfg.block_n, min(num_tiles, num_sms), cfg.schedule_overhead))
+                                          cfg.block_n, min(num_tiles, num_sms), SCHEDULE_OVERHEAD))
         how = "grid" if sched is None else how  # (a CUDA graph capturing a new shape)
     q_slots = 1 if how == "grid" else cfg.q_slots
     if split is not None:  # the walks of split_schedule, persistent or not
@@ -774,16 +656,11 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
             qk_scale, softcap_log2, params.window_left, params.window_right,
             cfg.block_n, cfg.stages, cfg.num_consumers,
             params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            turns_kind(cfg), cfg.packed_cvt, *pb.seq_flags, cfg.loader_regs, cfg.consumer_regs,
+            *pb.seq_flags, LOADER_REGS, cfg.consumer_regs,
             q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
             cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
-            threshold(cfg, params), cfg.tree_max, cfg.sum_partial, how == "pieces", rescale_skip(cfg, params)]
+            cfg.tree_max, how == "pieces"]
     return grid, args
-
-
-def turns_kind(cfg) -> int:
-    """``PINGPONG``: 0 no turns, 1 turns on mbarriers, 2 on named barriers (``named_turns``)."""
-    return (2 if cfg.named_turns else 1) if cfg.pingpong else 0
 
 
 def rescale_early(cfg, params) -> bool:
@@ -794,26 +671,11 @@ def rescale_early(cfg, params) -> bool:
     return cfg.rescale_early or (cfg.rescale_early_unmasked and plain)
 
 
-def threshold(cfg, params) -> float:
-    """``THRESHOLD``: ``rescale_threshold`` where O is rescaled late or per warp
-    (``warp_skip``); with the early rescale the warpgroup-wide test costs more than it
-    saves (configs.HopperFwdConfig.rescale_threshold), so 0 there."""
-    return float(cfg.rescale_threshold) if cfg.warp_skip or not rescale_early(cfg, params) else 0.0
-
-
-def rescale_skip(cfg, params) -> int:
-    """``SKIP`` of ``_rescale``: 2 per warp (``warp_skip``), 1 per warpgroup where a
-    threshold applies, else 0 (every block multiplies O)."""
-    return 2 if cfg.warp_skip else int(threshold(cfg, params) > 0)
-
-
 def walk(cfg, params, pb, num_tiles) -> str:
-    """How the forward's CTAs take their tiles (``common.persistent_walk``): "strided" where
-    the tile says ``persistent`` (forced, probes) or, without a mask, ``persistent_unmasked``;
-    "scheduled" under a causal / window mask where it says ``persistent_masked``."""
-    if cfg.persistent:
-        return "strided"
-    return persistent_walk(cfg.persistent_unmasked, cfg.persistent_masked, pb, params, num_tiles)
+    """How the forward's CTAs take their tiles (``common.persistent_walk``): "strided"
+    without a mask where the tile says ``persistent_unmasked``; "scheduled" under a causal /
+    window mask (every tile: one CTA per tile there, docs/performance.md)."""
+    return persistent_walk(cfg.persistent_unmasked, pb, params, num_tiles)
 
 
 def split_keys(q, k, params, cfg):
@@ -827,9 +689,8 @@ def split_keys(q, k, params, cfg):
     num_tiles = ceil_div(q.shape[1], bmt) * q.shape[2] * q.shape[0]
     if num_tiles == 0 or k.shape[1] == 0 or num_tiles > SCHEDULE_MAX_TILES:
         return None
-    persistent = cfg.persistent or cfg.persistent_unmasked
-    return split_plan(q.device, (num_tiles, ceil_div(k.shape[1], cfg.block_n), num_sms(q.device), persistent,
-                                 cfg.schedule_overhead, cfg.split_keys == 2))
+    return split_plan(q.device, (num_tiles, ceil_div(k.shape[1], cfg.block_n), num_sms(q.device),
+                                 cfg.persistent_unmasked, SCHEDULE_OVERHEAD, cfg.split_keys == 2))
 
 
 def fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
