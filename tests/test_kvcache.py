@@ -88,10 +88,6 @@ def test_kvcache_bad_input():
     with pytest.raises(ValueError, match=r"cu_seqlens_k_new.shape"):
         triflash.flash_attn_with_kvcache(q, kc, vc, k=kn[0], v=kn[0], cache_seqlens=1,
                                          cu_seqlens_k_new=torch.zeros(4, **i32))
-    with pytest.raises(ValueError, match=r"cache_seqlens=\[3, 9\]"):  # 9 + 2 new > 10 rows
-        triflash.flash_attn_with_kvcache(q, kc, vc, k=kn[0].expand(3, 2, 32), v=kn[0].expand(3, 2, 32),
-                                         cache_seqlens=torch.tensor([3, 9], **i32),
-                                         cu_seqlens_k_new=torch.tensor([0, 1, 3], **i32))
     with pytest.raises(ValueError, match="page_table"):
         triflash.flash_attn_with_kvcache(q, kc, vc, page_table=torch.zeros(3, 1, **i32))
     with pytest.raises(ValueError, match=r"k_cache.shape\[0\]"):
@@ -116,6 +112,10 @@ def test_kvcache_bad_input():
     # set_check_inputs(True) (a device-to-host sync, off by default like the varlen checks)
     triflash.set_check_inputs(True)
     try:
+        with pytest.raises(ValueError, match=r"cache_seqlens=\[3, 9\]"):  # 9 + 2 new > 10 rows
+            triflash.flash_attn_with_kvcache(q, kc, vc, k=kn[0].expand(3, 2, 32), v=kn[0].expand(3, 2, 32),
+                                             cache_seqlens=torch.tensor([3, 9], **i32),
+                                             cu_seqlens_k_new=torch.tensor([0, 1, 3], **i32))
         with pytest.raises(ValueError, match=r"cache_seqlens=\[3, 10\]"):
             triflash.flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn,
                                              cache_seqlens=torch.tensor([3, 10], dtype=torch.int32, device=DEVICE))
