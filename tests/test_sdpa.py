@@ -702,8 +702,9 @@ def test_torch_context_parallel_world_of_one(d, causal, gqa, monkeypatch):
     triflash activated: SDPA's forward and backward match the fp32 reference (FA3's rule),
     the profiler names triflash's Hopper kernels (and not torch's flash kernel), and the one
     ring step's forward and backward were triflash's, over the whole sequence (odd chunks:
-    1001 tokens, 2 x 501 under causal load balancing). The second rank's steps:
-    test_torch_context_parallel_two_ranks_one_gpu."""
+    1001 tokens, 2 x 501 under causal load balancing). The second rank's steps run on 2 gloo
+    ranks on the CPU (test_torch_ring_steps_on_cpu): two ranks on one GPU through gloo
+    crashed (SIGSEGV in a rank on the H200, gloo moving CUDA tensors), so that test is gone."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     if torch.cuda.get_device_capability()[0] != 9:
@@ -732,68 +733,3 @@ def test_torch_context_parallel_world_of_one(d, causal, gqa, monkeypatch):
     assert not any("pytorch_flash" in n for n in names), sorted(names)
     assert runs == _expected_runs(1, 0, seqlen, causal), runs
     _check_torch_cp(got, q, k, v, dout, causal)
-
-
-TORCH_CP_CASES = {  # name -> (head dim, causal, gqa, seqlen): 2 ranks, odd chunks
-    "d64-causal-gqa": (64, True, True, 1004),
-    "d128-full": (128, False, False, 1002),
-    "d128-causal": (128, True, False, 1004),
-    "d256-causal-gqa": (256, True, True, 1004),
-}
-
-
-def _torch_cp_worker(rank, world, tmp, names):
-    import datetime
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from triflash.kernels import portable
-    torch.cuda.set_device(0)  # both ranks on the one GPU
-    # gloo: NCCL refuses two ranks on one device; gloo moves CUDA tensors through the host
-    # for the all-gather and all-to-all torch's ring and unsharding use
-    dist.init_process_group("gloo", init_method=f"file://{_store(tmp, names)}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=900))
-    portable.POISON = True  # kernel outputs start as NaN, as under the suite's fixture
-    runs, restore = _record_runs(dispatch)
-    try:
-        mesh = init_device_mesh("cuda", (world,))
-        attention.activate_flash_attention_impl("triflash")
-        try:
-            for name in names:
-                d, causal, gqa, _ = TORCH_CP_CASES[name]
-                q, k, v, dout = (x.cuda() for x in torch.load(f"{tmp}/{name}.pt"))
-                runs.clear()
-                sdpa.last_fallback = None
-                got = _torch_context_parallel(mesh, q, k, v, dout, causal, gqa)
-                torch.save(dict(got=[x.cpu() for x in got], runs=list(runs), fallback=sdpa.last_fallback),
-                           f"{tmp}/{name}.rank{rank}.pt")
-        finally:
-            attention.restore_flash_attention_impl()
-    finally:
-        restore()
-        dist.destroy_process_group()
-
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@needs_registry
-@pytest.mark.parametrize("name", list(TORCH_CP_CASES))
-def test_torch_context_parallel_two_ranks_one_gpu(name, request, tmp_path_factory):
-    """torch's context_parallel over 2 ranks, two processes on cuda:0 with gloo (NCCL refuses
-    two ranks on one device; gloo stages CUDA tensors through the host for the all-gather of
-    K/V, the all-to-all of dK/dV and the unsharding): every ring step's forward and backward
-    on each rank is triflash's (the rectangles of the second step included), nothing falls
-    back to torch's kernel, both ranks unshard the same result, and it matches the fp32
-    reference (FA3's rule)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the backend serves sm90 GPUs; elsewhere every call goes to torch's kernel")
-    d, causal, gqa, seqlen = TORCH_CP_CASES[name]
-    per_rank = _two_rank_results(_torch_cp_worker, "torch_cp2", TORCH_CP_CASES, name, request, tmp_path_factory,
-                                 _torch_cp_inputs)
-    for rank, result in enumerate(per_rank):
-        assert result["fallback"] is None, (rank, result["fallback"])
-        assert [tuple(r) for r in result["runs"]] == _expected_runs(2, rank, seqlen, causal), (rank, result["runs"])
-    for a, b in zip(*(r["got"] for r in per_rank)):
-        assert torch.equal(a, b)
-    q, k, v, dout = _torch_cp_inputs(d, causal, gqa, seqlen)
-    _check_torch_cp([x.to(DEVICE) for x in per_rank[0]["got"]], q, k, v, dout, causal)
