@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triflash  # noqa: E402
 from triflash import testing  # noqa: E402
-from triflash.kernels.portable import AttnParams  # noqa: E402
+from triflash.kernels.problem import AttnParams  # noqa: E402
 
 from hopper_probe import CHECK_CASES, _bench, round_cases  # noqa: E402  (scripts/ is sys.path[0])
 

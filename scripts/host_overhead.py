@@ -82,22 +82,22 @@ def _time(fn, cuda, n=50, trials=5):
 def breakdown():
     """{layer: host ms per call} of the forward's layers and the backward (sm90 GPU)."""
     from triflash import dispatch
-    from triflash.kernels import configs, portable
+    from triflash.kernels import configs, problem
     from triflash.kernels.hopper import common as hopper_common
     from triflash.kernels.hopper import fwd as H
     b, s, h, d = 16, 1024, 16, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    params = portable.AttnParams(d ** -0.5, -1, 0, 0.0, s, s)
+    params = problem.AttnParams(d ** -0.5, -1, 0, 0.0, s, s)
     cfg = configs.SM90_HOPPER_FWD[d]
-    out, lse = portable.alloc_fwd_outputs(q, v, False)
+    out, lse = problem.alloc_fwd_outputs(q, v, False)
     grid, kargs = H.kernel_args(q, k, v, out, lse, params, cfg)
     compiled = H.hopper_fwd_kernel[grid](*kargs, num_warps=4)
     layers = {
         "fwd api (grad)": lambda: triflash.flash_attn_func(q, k, v, causal=True),
         "fwd api (no_grad)": lambda: _no_grad(lambda: triflash.flash_attn_func(q, k, v, causal=True)),
         "fwd dispatch.run_fwd": lambda: dispatch.run_fwd(q, k, v, None, None, None, None, params),
-        "fwd alloc out+lse": lambda: portable.alloc_fwd_outputs(q, v, False),
+        "fwd alloc out+lse": lambda: problem.alloc_fwd_outputs(q, v, False),
         "fwd hopper.fwd": lambda: H.fwd(q, k, v, out, lse, params, cfg),
         "fwd kernel_args": lambda: H.kernel_args(q, k, v, out, lse, params, cfg),
         "fwd jit launch": lambda: H.hopper_fwd_kernel[grid](*kargs, num_warps=4),

@@ -21,7 +21,7 @@ import triton
 
 from triflash.kernels import portable
 from triflash.kernels.configs import BwdConfig as B, FwdConfig as F
-from triflash.kernels.portable import AttnParams
+from triflash.kernels.problem import AttnParams
 from triflash.testing import flops
 
 SHAPES = {64: (2, 8192, 32), 128: (2, 8192, 16), 256: (1, 8192, 36)}

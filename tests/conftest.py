@@ -92,7 +92,7 @@ def shared_results_dir(tmp_path_factory, key, names, produce):
 @pytest.fixture(autouse=True)
 def _poison_outputs():
     """Every kernel output starts as NaN, so an element a kernel forgets to write fails."""
-    from triflash.kernels import portable
-    portable.POISON = True
+    from triflash.kernels import problem
+    problem.POISON = True
     yield
-    portable.POISON = False
+    problem.POISON = False

@@ -45,7 +45,7 @@ def test_other_head_dims_take_the_portable_tier(d):
 def test_padded_head_dims_take_boxes_of_the_tile_width(d, width):
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import descriptor
-    from triflash.kernels.portable import AttnParams
+    from triflash.kernels.problem import AttnParams
     q, k, v = _qkv(d, s=300)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 300)
     p = AttnParams(d ** -0.5, -1, 0, 0.0, 300, 300)
@@ -71,7 +71,7 @@ def test_forward_rescales_early_where_its_tile_says(d):
     (``rescale_early_unmasked``: measured faster there, slower under a mask)."""
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import kernel_head_dim
-    from triflash.kernels.portable import AttnParams
+    from triflash.kernels.problem import AttnParams
     cfg = configs.SM90_HOPPER_FWD[kernel_head_dim(d)]
     q, k, v = _qkv(d, s=300)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 300)
@@ -93,7 +93,7 @@ def test_padded_head_dims_backward_boxes(d, width):
     from triflash.kernels import configs
     from triflash.kernels.hopper import bwd256, bwd_dq
     from triflash.kernels.hopper.common import Problem
-    from triflash.kernels.portable import AttnParams
+    from triflash.kernels.problem import AttnParams
     q, k, v = _qkv(d, s=300)
     do, dq, dk, dv = (torch.empty_like(x) for x in (q, q, k, v))
     p = AttnParams(d ** -0.5, -1, 0, 0.0, 300, 300)

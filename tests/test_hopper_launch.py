@@ -124,13 +124,13 @@ def fake_fwd(fake_gpu, monkeypatch):
 
 
 def _fwd_case(H, shape, hk, d, causal, window, softcap, seed):
-    from triflash.kernels import configs, portable
+    from triflash.kernels import configs, problem
     b, sq, sk, h = shape
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, sq, h, d, generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, hk, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    out, lse = portable.alloc_fwd_outputs(q, v, False)
-    params = portable.AttnParams(d ** -0.5, window, 0 if causal else -1, softcap, sq, sk)
+    out, lse = problem.alloc_fwd_outputs(q, v, False)
+    params = problem.AttnParams(d ** -0.5, window, 0 if causal else -1, softcap, sq, sk)
     return (q, k, v, out, lse), params, configs.SM90_HOPPER_FWD[hc.kernel_head_dim(d)]
 
 
@@ -206,7 +206,7 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
     dout, out, lse and the buffers the backward allocates, the split tiles' piece buffer
     with the last-wave split forced, ``pieces``); without it a repeat takes the plan (no new
     specialization)."""
-    from triflash.kernels import configs, portable
+    from triflash.kernels import configs, problem
     from triflash.kernels.hopper import bwd as HB
     from triflash.kernels.hopper import bwd256, bwd_dq
     monkeypatch.setattr(hc, "_PLANS", {})
@@ -220,7 +220,7 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
         fakes[name] = _Kernel(len(inspect.signature(getattr(mod, name).fn).parameters))
         monkeypatch.setattr(mod, name, fakes[name])
     b, s, h, hk = 2, 200, 4, 2
-    params = portable.AttnParams(d ** -0.5, -1, 0 if causal else -1, 0.0, s, s)
+    params = problem.AttnParams(d ** -0.5, -1, 0 if causal else -1, 0.0, s, s)
     cfg = configs.SM90_HOPPER_BWD[hc.kernel_head_dim(d)]
     if pieces > 1:  # (every key tile split: the shape's 8 tiles on 132 SMs would not)
         monkeypatch.setattr(HB, "tail_pieces", lambda n_tiles, n_sm: pieces)

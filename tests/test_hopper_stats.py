@@ -11,7 +11,7 @@ from conftest import DEVICE
 
 hopper_bwd = pytest.importorskip("triflash.kernels.hopper.bwd")
 from triflash.kernels.hopper.common import Problem  # noqa: E402
-from triflash.kernels.portable import AttnParams  # noqa: E402
+from triflash.kernels.problem import AttnParams  # noqa: E402
 
 BM = hopper_bwd.BLOCK_M
 

@@ -127,7 +127,7 @@ def test_hopper_bwd_padded_head_dims_strided(d):
     assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
     q, k, v = qkv_view.unbind(2)
     # the backward's own kernels writing into strided views of poisoned wider rows
-    from triflash.kernels.portable import AttnParams
+    from triflash.kernels.problem import AttnParams
     grads = torch.full((2, 700, 3, 4, d + 32), float("nan"), device="cuda", dtype=torch.bfloat16)
     dq, dk, dv = grads[..., :d].unbind(2)
     lse = triflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[1]
@@ -274,13 +274,13 @@ def test_hopper_fwd_split_keys_dispatched(d, b, sq, sk, h, hk):
     """The dispatched tiles cut these launches' last round into pieces (``fwd.split_keys``:
     few tiles over long keys; a part-empty last round of many): the forward and its lse
     against the fp32 reference."""
-    from triflash.kernels import configs, portable
+    from triflash.kernels import configs, problem
     from triflash.kernels.hopper import fwd as H
     from triflash.kernels.hopper.common import kernel_head_dim
     g = torch.Generator(device="cuda").manual_seed(d + sq)
     q, k, v = (torch.randn(b, n, x, d, device="cuda", dtype=torch.bfloat16, generator=g)
                for n, x in ((sq, h), (sk, hk), (sk, hk)))
-    params = portable.AttnParams(d ** -0.5, -1, -1, 0.0, sq, sk)
+    params = problem.AttnParams(d ** -0.5, -1, -1, 0.0, sq, sk)
     assert H.split_keys(q, k, params, configs.SM90_HOPPER_FWD[kernel_head_dim(d)]) is not None
     with triflash.force_backend("hopper"):
         out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True)

@@ -57,7 +57,7 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
     """Batch * heads above 65535 (CUDA's limit for grid axes y and z): every launch of the
     portable tier and the Hopper statistics kernel keeps its axes within the limits. The
     launches are recorded, not run."""
-    from triflash.kernels import configs, portable
+    from triflash.kernels import configs, portable, problem
     grids = []
 
     class Record:
@@ -73,7 +73,7 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
         monkeypatch.setattr(portable, name, Record(name))
     batch, heads = 35001, 2  # batch * heads = 70002
     q = torch.zeros(batch, 3, heads, 8, dtype=torch.float16)
-    p = portable.AttnParams(softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0,
+    p = problem.AttnParams(softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0,
                             max_seqlen_q=3, max_seqlen_k=3)
     out, lse = portable.fwd(q, q, q, None, None, None, None, p, configs.INTERPRET_FWD, upcast=True)
     for det in (False, True):
@@ -107,7 +107,7 @@ def test_forward_walks():
     from triflash.kernels.hopper.common import kernel_arg
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import SCHEDULE_MAX_TILES, Problem
-    from triflash.kernels.portable import AttnParams
+    from triflash.kernels.problem import AttnParams
     q = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
     base = dataclasses.replace(configs.SM90_HOPPER_FWD[128], persistent_unmasked=True)
@@ -152,7 +152,7 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     from triflash.kernels.hopper.common import kernel_arg
     from triflash.kernels import configs
     from triflash.kernels.hopper import common as hc
-    from triflash.kernels.portable import AttnParams
+    from triflash.kernels.problem import AttnParams
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(hc, "_SCHEDULES", {})
     monkeypatch.setattr(hc, "_CAPTURED_SCHEDULES", {})

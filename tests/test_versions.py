@@ -56,7 +56,7 @@ def fake_sm90(monkeypatch):
     monkeypatch.setattr(dispatch, "hopper_bwd", FakeHopper)
     monkeypatch.setattr(dispatch.portable, "fwd", lambda *a, **k: ran.append("portable") or ("out", "lse"))
     monkeypatch.setattr(dispatch.portable, "bwd", lambda *a, **k: ran.append("portable") or "grads")
-    monkeypatch.setattr(dispatch.portable, "alloc_fwd_outputs",
+    monkeypatch.setattr(dispatch.problem, "alloc_fwd_outputs",
                         lambda q, v, varlen, out=None: (torch.empty_like(q), None))
     monkeypatch.setattr(dispatch.configs, "SM90_HOPPER_FWD", {64: None})
     monkeypatch.setattr(dispatch.configs, "SM90_HOPPER_BWD", {64: None})

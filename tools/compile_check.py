@@ -61,7 +61,7 @@ def _problem(headdim, dtype, feature, varlen=False):
     (cu_seqlens, seqused_k): None, or with ``varlen`` packed (total, heads, dim) tensors."""
     import torch
 
-    from triflash.kernels.portable import AttnParams
+    from triflash.kernels.problem import AttnParams
     causal, left, softcap = FEATURES[feature]
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     b, s, h, hk = 2, 1000, 4, 2

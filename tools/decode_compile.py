@@ -27,7 +27,7 @@ def launches(form):
     """[(JIT fn, args, kwargs)] of ``form`` as sm90 launches it."""
     import torch
     from tools.sm90_report import _recording
-    from triflash.kernels import decode, portable
+    from triflash.kernels import decode, problem
     b, n, hq, hk, d, page, sq, causal, window = FORMS[form]
     meta = dict(device="meta", dtype=torch.bfloat16)
     i32 = dict(device="meta", dtype=torch.int32)
@@ -35,11 +35,11 @@ def launches(form):
     if page:
         kv = torch.empty(b * n // page, page, 2, hk, d, **meta)
         k, v = kv[:, :, 0], kv[:, :, 1]
-        cache = portable.CacheAddressing(page_table=torch.empty(b, n // page, **i32))
+        cache = problem.CacheAddressing(page_table=torch.empty(b, n // page, **i32))
     else:
         k, v = torch.empty(b, n, hk, d, **meta), torch.empty(b, n, hk, d, **meta)
         cache = None
-    p = portable.AttnParams(softmax_scale=d ** -0.5, window_left=window, window_right=0 if causal else -1,
+    p = problem.AttnParams(softmax_scale=d ** -0.5, window_left=window, window_right=0 if causal else -1,
                             softcap=0.0, max_seqlen_q=sq, max_seqlen_k=n)
     orig = decode._num_sms
     decode._num_sms = lambda device: 132

@@ -290,7 +290,7 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
     Returns (the config used, [(kernel name, JIT/interpreted fn, args, kwargs), ...])."""
     import torch
     from triflash import dispatch
-    from triflash.kernels import portable
+    from triflash.kernels import problem
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     meta = dict(device="meta", dtype=dt)
     f32 = dict(device="meta", dtype=torch.float32)
@@ -300,7 +300,7 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
         index = dict(device="meta", dtype=torch.int32)
         q = torch.empty(b * s, _NHEADS, d, **meta) if f.varlen else torch.empty(b, s, _NHEADS, d, **meta)
         k, v = torch.empty(b * s // page, page, _NHEADS_KV, d, **meta), torch.empty(b * s // page, page, _NHEADS_KV, dv, **meta)
-        cache = portable.CacheAddressing(start=torch.empty(b, **index), page_table=torch.empty(b, s // page, **index))
+        cache = problem.CacheAddressing(start=torch.empty(b, **index), page_table=torch.empty(b, s // page, **index))
         cu, used = (torch.empty(b + 1, **index) if f.varlen else None), torch.empty(b, **index)
         max_q = max_k = _SEQLEN
     elif f.varlen:
@@ -319,7 +319,7 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
         cu = used = None
         max_q = max_k = _SEQLEN
     left, right = f.window_left_right()
-    p = portable.AttnParams(softmax_scale=d ** -0.5, window_left=left, window_right=right,
+    p = problem.AttnParams(softmax_scale=d ** -0.5, window_left=left, window_right=right,
                             softcap=f.softcap, max_seqlen_q=max_q, max_seqlen_k=max_k)
     chosen = []
     table = configs.fwd_config if direction == "fwd" else configs.bwd_config

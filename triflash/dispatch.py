@@ -52,7 +52,7 @@ import os
 import torch
 
 from . import versions
-from .kernels import configs, decode, portable
+from .kernels import configs, decode, portable, problem
 from .kernels.fwd import flash_fwd_kernel
 
 try:  # Gluon ships with triton >= 3.5; the portable tier does not need it
@@ -171,7 +171,7 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, o
             why_not = "out's strides or base pointer not 16-byte aligned (TMA)"
         if not why_not:
             cfg = configs.SM90_HOPPER_FWD[kernel_head_dim(q.shape[-1])]
-            out, lse = portable.alloc_fwd_outputs(q, v, cu_seqlens_q is not None, out)
+            out, lse = problem.alloc_fwd_outputs(q, v, cu_seqlens_q is not None, out)
             if q.numel() == 0:
                 return out, lse
             return hopper_fwd.fwd(q, k, v, out, lse, params, cfg, cu_seqlens_q, cu_seqlens_k,
@@ -192,7 +192,7 @@ def decodes(max_seqlen_q, nheads, nheads_kv, batch) -> bool:
 
 
 def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, num_splits=0):
-    """The forward over a KV cache addressed through ``cache`` (``portable.CacheAddressing``:
+    """The forward over a KV cache addressed through ``cache`` (``problem.CacheAddressing``:
     cache_batch_idx, cache_leftpad, a page table, or a dense cache) or under packed queries
     (cu_seqlens_q): a decoding step runs the decode kernel (packed GQA, split keys) on every
     target; longer queries the portable forward (the Hopper forward reads K/V in TMA boxes

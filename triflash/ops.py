@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import dispatch
 from .kernels import kvcache
-from .kernels.portable import AttnParams, CacheAddressing, alloc_output
+from .kernels.problem import AttnParams, CacheAddressing, alloc_output
 
 
 # Scalar arguments travel as two lists: torch's custom-op autograd path re-reads the op schema
@@ -267,7 +267,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Optio
                 page_table: Optional[Tensor], ints: List[int], floats: List[float]) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q, dense or packed (``cu_seqlens_q``, ints[0] the longest sequence), over
     a KV cache addressed through ``cache_batch_idx`` (batch_idx), ``cache_leftpad``
-    (k_start) or a page table (``portable.CacheAddressing``), or neither (a dense cache).
+    (k_start) or a page table (``problem.CacheAddressing``), or neither (a dense cache).
     ``ints``: ``pack_scalars``'s, then num_splits. Forward only."""
     return _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
                              page_table, ints, floats)

@@ -66,7 +66,7 @@ import inspect
 import torch
 
 from .. import dispatch, ops
-from ..kernels import portable
+from ..kernels import problem
 
 NAME = "triflash"
 # why the backend is not registered with torch ("" once it is); set by register()
@@ -284,7 +284,7 @@ def _window(left, right, is_causal, seqlen_k):
 def _empty_like(x):
     """``torch.empty_like`` (the meta kernels' strides); NaN under the tests' poison mode."""
     y = torch.empty_like(x)
-    if portable.POISON:
+    if problem.POISON:
         y.fill_(float("nan"))
     return y
 

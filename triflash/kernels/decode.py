@@ -13,7 +13,7 @@ bytes it streams per second. Two things make a launch stream at the card's bandw
   workspace; ``decode_combine_kernel`` merges a tile's shares: with lse = log(sum_i
   exp(lse_i)), O = sum_i exp(lse_i - lse) O_i.
 
-The cache is addressed as ``portable.CacheAddressing`` says (dense, cache_batch_idx,
+The cache is addressed as ``problem.CacheAddressing`` says (dense, cache_batch_idx,
 cache_leftpad, a page table of any page size); key j of a sequence is its logical cache row
 ``k_start + j``. Masks (causal, sliding window) are bottom-right aligned to the sequence's
 keys as in every other kernel (``common`` module docstring), per query token.
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .common import cache_batch, ceil_div, paged_rows, scores, seqlen_info, to_output, visible
-from .portable import CacheAddressing, _bshd_strides, _lse_strides, alloc_fwd_outputs
+from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
 @dataclass(frozen=True)
@@ -342,7 +342,7 @@ def decode_combine_kernel(
 
 def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int = 0):
     """(out, lse) with FlashAttention-3's shapes of q (dense (batch, seqlen_q, nheads, d) or
-    packed with ``cu_seqlens_q``) over a KV cache (``portable.CacheAddressing``; dense caches
+    packed with ``cu_seqlens_q``) over a KV cache (``problem.CacheAddressing``; dense caches
     too), ``p.max_seqlen_k`` the cache's capacity per sequence, ``seqused_k`` (batch,) int32
     the keys each sequence has (None: the capacity)."""
     varlen = cu_seqlens_q is not None
@@ -370,8 +370,8 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     upcast = target == "interpret"
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
-        *_bshd_strides(q, varlen), *_bshd_strides(k, False), *_bshd_strides(v, False),
-        *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
+        *bshd_strides(q, varlen), *bshd_strides(k, False), *bshd_strides(v, False),
+        *bshd_strides(out, varlen), *lse_strides(lse, varlen),
         cu_seqlens_q if varlen else dummy, seqused_k if seqused_k is not None else dummy, *cache_args,
         nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits,
         qk_scale, softcap_log2, p.window_left, p.window_right,
@@ -384,7 +384,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
         block_s = triton.next_power_of_2(pl.splits)
         chunk = min(block_dv, max(16, 8192 // block_s))  # (an 8K-element tile of shares per program)
         decode_combine_kernel[(pl.block_m, tiles, block_dv // chunk)](
-            out, lse, o_part, lse_part, *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
+            out, lse, o_part, lse_part, *bshd_strides(out, varlen), *lse_strides(lse, varlen),
             cu_seqlens_q if varlen else dummy, nheads_kv, p.max_seqlen_q, total_q, pl.splits, pl.m_tiles,
             GROUP=group, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_DV=block_dv, BLOCK_S=block_s,
             CHUNK=chunk, IS_VARLEN=varlen, UPCAST=upcast, num_warps=4)

@@ -1,87 +1,19 @@
-"""Host side of the portable Triton tier: allocate outputs, compute launch grids, launch.
+"""Host side of the portable Triton tier: compute launch grids and flags, launch.
 
-Every function takes already-validated tensors (see ``triflash.validation``) in one of two
-layouts and views both the same way, as (batch, seqlen, heads, dim) with explicit strides:
-
-* dense:  q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q)
-* varlen: q (total_q, nheads, d) seen as batch stride 0 plus per-sequence starts from
-  ``cu_seqlens``; lse (nheads, total_q)
+Every function takes already-validated tensors (see ``triflash.validation``) and the
+problem's host view (``problem``: AttnParams, CacheAddressing, the outputs, the (batch,
+token, head) strides of dense and varlen layouts).
 """
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 
 from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
-from .common import LOG2E, ceil_div, launch_sections
+from .common import ceil_div, launch_sections
 from .configs import BwdConfig, FwdConfig
 from .fwd import flash_fwd_kernel
-
-
-# Tests set this: outputs the kernels must write in full start as NaN instead of garbage.
-POISON = False
-
-
-def alloc_output(shape, dtype, device):
-    if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def alloc_fwd_outputs(q, v, varlen, out=None):
-    """(out, lse) of a forward, FA3's shapes. Varlen: tokens no sequence covers (cu_seqlens
-    gaps, padding, past seqused) read as empty rows (0, lse -inf), so they start that way.
-    A given ``out`` (any strides with a contiguous last dim, e.g. a (batch, seqlen, heads,
-    dim) view of SDPA's (batch, heads, seqlen, dim) buffer) is used instead of a new one."""
-    out_shape = q.shape[:-1] + (v.shape[-1],)
-    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
-    if varlen:
-        if out is None:
-            out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
-        else:
-            out.zero_()
-        return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-    if out is None:
-        out = alloc_output(out_shape, q.dtype, q.device)
-    elif POISON:
-        out.fill_(float("nan"))
-    return out, alloc_output(lse_shape, torch.float32, q.device)
-
-
-@dataclass(frozen=True)
-class AttnParams:
-    """Everything about the attention problem that is not a tensor."""
-    softmax_scale: float
-    window_left: int     # -1: unbounded
-    window_right: int    # -1: unbounded; causal is 0
-    softcap: float       # 0: off
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    @property
-    def masked(self) -> bool:
-        """A causal or sliding-window mask: query blocks visit different numbers of key blocks."""
-        return self.window_left >= 0 or self.window_right >= 0
-
-    def score_constants(self):
-        """(qk_scale, softcap_log2) as ``common.scores`` expects them."""
-        if self.softcap > 0.0:
-            return self.softmax_scale / self.softcap, self.softcap * LOG2E
-        return self.softmax_scale * LOG2E, 0.0
-
-
-def _bshd_strides(x: torch.Tensor, varlen: bool):
-    """(batch, token, head) strides; the head-dim stride is 1 by validation."""
-    if varlen:
-        return 0, x.stride(0), x.stride(1)
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
-def _lse_strides(lse: torch.Tensor, varlen: bool):
-    if varlen:  # (nheads, total_q)
-        return 0, lse.stride(0), lse.stride(1)
-    return lse.stride(0), lse.stride(1), lse.stride(2)
+from .problem import AttnParams, CacheAddressing, alloc_fwd_outputs, alloc_output, bshd_strides, lse_strides
 
 
 def _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams):
@@ -116,29 +48,6 @@ def _common_flags(q, v, p: AttnParams, upcast: bool):
     )
 
 
-@dataclass(frozen=True)
-class CacheAddressing:
-    """Where a KV cache keeps each sequence's keys (``flash_attn_with_kvcache``):
-    ``batch_idx[b]`` the cache batch of sequence b (None: b); ``start[b]`` its first key
-    (cache_leftpad; None: 0); ``page_table`` (batch, pages): the cache block of each page
-    (None: not paged; paged caches are (num_blocks, page_size, heads, dim)). Key rows are
-    counted in the sequence's logical order in every case."""
-    batch_idx: Optional[torch.Tensor] = None
-    start: Optional[torch.Tensor] = None
-    page_table: Optional[torch.Tensor] = None
-
-    def kernel_args(self, k, dummy):
-        """The forward kernel's (KV_BATCH, K_START, PAGE_TABLE, stride_ptb, page_size,
-        num_kv_blocks) and its flags."""
-        pt = self.page_table
-        args = (self.batch_idx if self.batch_idx is not None else dummy,
-                self.start if self.start is not None else dummy,
-                pt if pt is not None else dummy, pt.stride(0) if pt is not None else 0,
-                k.shape[1] if pt is not None else 1, k.shape[0])
-        return args, dict(HAS_KV_BATCH=self.batch_idx is not None, HAS_K_START=self.start is not None,
-                          PAGED=pt is not None)
-
-
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams,
         cfg: FwdConfig, upcast: bool, cache: Optional[CacheAddressing] = None,
         out: Optional[torch.Tensor] = None):
@@ -158,8 +67,8 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     grid = (ceil_div(p.max_seqlen_q, cfg.block_m) * s["batch"] * nheads,)  # (common.launch_order)
     flash_fwd_kernel[grid](
         q, k, v, out, lse,
-        *_bshd_strides(q, varlen), *_bshd_strides(k, k_varlen), *_bshd_strides(v, k_varlen),
-        *_bshd_strides(out, varlen), *_lse_strides(lse, varlen),
+        *bshd_strides(q, varlen), *bshd_strides(k, k_varlen), *bshd_strides(v, k_varlen),
+        *bshd_strides(out, varlen), *lse_strides(lse, varlen),
         *s["ptrs"], nheads, nheads_kv, *s["sizes"],
         qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p),
         *cache_args,
@@ -180,8 +89,8 @@ def launch_dq(q, k, v, dout, lse, delta, dq, s, p: AttnParams, cfg: BwdConfig, f
     qk_scale, softcap_log2 = p.score_constants()
     bwd_dq_kernel[(ceil_div(p.max_seqlen_q, cfg.dq_block_m) * s["batch"] * nheads,)](
         q, k, v, dout, lse, delta, dq,
-        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
-        *_bshd_strides(dout, varlen), *_lse_strides(lse, varlen), *_bshd_strides(dq, varlen),
+        *bshd_strides(q, varlen), *bshd_strides(k, varlen), *bshd_strides(v, varlen),
+        *bshd_strides(dout, varlen), *lse_strides(lse, varlen), *bshd_strides(dq, varlen),
         *s["ptrs"], nheads, nheads_kv, *s["sizes"],
         qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
         _sections(q, k, v, s, p),
@@ -211,12 +120,12 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
         dq.zero_(), dk.zero_(), dv.zero_()
     qk_scale, softcap_log2 = p.score_constants()
     flags = _common_flags(q, v, p, upcast)
-    lse_strides = _lse_strides(lse, varlen)
+    lse_view = lse_strides(lse, varlen)
 
     delta = alloc_output(lse.shape, torch.float32, lse.device)
     pre_block = 64
     bwd_preprocess_kernel[(ceil_div(p.max_seqlen_q, pre_block) * s["batch"] * nheads,)](
-        out, dout, delta, *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *lse_strides,
+        out, dout, delta, *bshd_strides(out, varlen), *bshd_strides(dout, varlen), *lse_view,
         s["ptrs"][0], s["ptrs"][2], nheads, p.max_seqlen_q, s["sizes"][2],
         HEADDIM_V=flags["HEADDIM_V"], BLOCK_M=pre_block, BLOCK_DV=flags["BLOCK_DV"],
         IS_VARLEN=varlen, HAS_SEQUSED_Q=s["flags"]["HAS_SEQUSED_Q"],
@@ -229,9 +138,9 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     for do_dk, do_dv in passes:
         bwd_dkdv_kernel[(ceil_div(p.max_seqlen_k, cfg.dkdv_block_n) * s["batch"] * nheads_kv,)](
             q, k, v, dout, lse, delta, dq_accum, dk, dv,
-            *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
-            *_bshd_strides(dout, varlen), *lse_strides, *_bshd_strides(dq_accum, varlen),
-            *_bshd_strides(dk, varlen), *_bshd_strides(dv, varlen),
+            *bshd_strides(q, varlen), *bshd_strides(k, varlen), *bshd_strides(v, varlen),
+            *bshd_strides(dout, varlen), *lse_view, *bshd_strides(dq_accum, varlen),
+            *bshd_strides(dk, varlen), *bshd_strides(dv, varlen),
             *s["ptrs"], nheads, nheads_kv, *s["sizes"],
             qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
             BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **s["flags"], **flags,

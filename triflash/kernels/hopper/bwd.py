@@ -70,7 +70,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .. import configs, portable
+from .. import configs, problem
 from . import bwd256, bwd_dq
 from ..common import ceil_div, launch_order, seqlen_info, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
@@ -618,9 +618,9 @@ def bwd(dout, q, k, v, out, lse, params, deterministic=False, cfg=None, dq=None,
     cfg = cfg or configs.SM90_HOPPER_BWD[d]
     if not tma_compatible(dout):
         dout = dout.contiguous()
-    dq = portable.alloc_output(q.shape, q.dtype, q.device) if dq is None else dq
-    dk_out = portable.alloc_output(k.shape, k.dtype, k.device) if dk is None else dk
-    dv_out = portable.alloc_output(v.shape, v.dtype, v.device) if dv is None else dv
+    dq = problem.alloc_output(q.shape, q.dtype, q.device) if dq is None else dq
+    dk_out = problem.alloc_output(k.shape, k.dtype, k.device) if dk is None else dk
+    dv_out = problem.alloc_output(v.shape, v.dtype, v.device) if dv is None else dv
     if pb.empty():
         return dq.zero_(), dk_out.zero_(), dv_out.zero_()
     # TMA stores need 16-byte aligned strides; anything else goes through a contiguous buffer
