@@ -196,8 +196,8 @@ def _toolchain_problem():
 @pytest.mark.sm90
 def test_decode_kernels_fit_sm90():
     """Each decode form's launches compile for sm_90a within Hopper's shared memory; spills at
-    most 16 bytes (the 8-warp tiles at head dims 128 / 256: measured at 4.48 / 4.19 TB/s,
-    the copy-bound rate, in the config's comment)."""
+    most 16 bytes (the 8-warp tiles at head dims 128 / 256, measured at 4.39 / 4.19 K+V TB/s:
+    decode.config's comment)."""
     problem = _toolchain_problem()
     if problem:
         pytest.skip(f"sm_90a toolchain unavailable: {problem}")

@@ -50,10 +50,12 @@ MIN_BLOCKS_PER_SPLIT = 4
 def config(target: str, headdim: int, headdim_v: int, paged: bool) -> DecodeConfig:
     if target == "interpret":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
-    # Measured on the H200 with CUDA-graph replay, K+V TB/s (scripts/decode_probe.py): head dim
-    # 256, 32 x 8192, 16/2 heads: 64x8x3 4.19, 32x4x4 4.12, 32x8x6 3.27; head dim 128 dense
-    # 64 x 8192: 4.48 at 128x8x3 (every tile within 1%); paged 64 / 16 / 1: 4.41 / 4.30 / 4.37
-    # at 32x4x6 (within 2% of the best tile each). (block_n x warps x stages)
+    # (block_n x warps x stages) measured on the H200 with CUDA-graph replay, K+V TB/s
+    # (scripts/decode_probe.py; benchmarks/results/probes/decode-tiles-graph.txt at 0ac98e0):
+    # head dim 256, 32 x 8192, 16/2 heads: 64x8x3 4.19, 32x4x4 4.12, 32x8x6 3.27; head dim 128,
+    # dense 64 x 8192: 128x8x3 4.39, 128x4x2 4.46, 128x4x3 4.43, 64x4x4 4.39 (128x4x2 falls to
+    # 3.50 on 8 x 32768, 128x8x3 keeps 4.35); paged, pages of 64 / 16 / 1: 32x4x6 4.32 / 4.24 /
+    # 4.27, 64x4x4 3.07 / 3.59 / 3.32.
     if max(headdim, headdim_v) > 128:
         return DecodeConfig(block_n=64, num_warps=8, num_stages=3)
     if paged:  # rows gathered through the page table: narrower steps, more of them in flight
