@@ -137,6 +137,13 @@ if HAS_GLOO:
         def getBackendName(self):
             return self.NAME
 
+        def _get_backend(self, device):
+            # torch >= 2.14's batch_isend_irecv asks the group for its backend on the
+            # tensors' device (to pick coalescing); this group registers none there, so it
+            # answers with its gloo group (no coalescing: each send / recv goes through the
+            # methods below)
+            return self._gloo
+
         @staticmethod
         def _host(t):
             return t.detach().to("cpu", copy=True).contiguous()
@@ -158,6 +165,13 @@ if HAS_GLOO:
             host = torch.empty(output.shape, dtype=output.dtype)
             args = (host, self._host(input)) + ((opts,) if opts is not None else ())
             return _Staged(self._gloo._reduce_scatter_base(*args), host, output)
+
+        # torch >= 2.14 calls these names (2.11: the two above)
+        def all_gather_single(self, output, input, opts=None):
+            return self._allgather_base(output, input, opts)
+
+        def reduce_scatter_single(self, output, input, opts=None):
+            return self._reduce_scatter_base(output, input, opts)
 
 
 # ---- sharding, the ranks, the checks --------------------------------------------------------
