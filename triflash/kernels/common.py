@@ -394,6 +394,20 @@ def scores(qk, qk_scale_log2, softcap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def softmax_step(acc, m_i, l_i, s, v):
+    """One key block of the online softmax: scores ``s`` (log2 domain, -inf where masked),
+    values ``v``; a row that has seen no key yet keeps m = -inf and adds nothing (never NaN).
+    Returns the new (acc, m_i, l_i)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def to_output(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
     """Cast an fp32 tile to the output dtype, rounding to nearest even.
 

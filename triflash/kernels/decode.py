@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cache_batch, ceil_div, paged_rows, scores, seqlen_info, to_output, visible
+from .common import cache_batch, ceil_div, paged_rows, scores, seqlen_info, softmax_step, to_output, visible
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
@@ -173,13 +173,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, s
         if MASK:
             s = tl.where(visible(tok[:, None], offs_n[None, :], len_q, len_k,
                                  window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v)
     return acc, m_i, l_i
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import (cache_batch, launch_order, n_block_range, paged_rows, scores, seqlen_info,
-                     to_output, visible)
+                     softmax_step, to_output, visible)
 
 
 @triton.jit
@@ -56,13 +56,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
             s = scores(qk, qk_scale, softcap_log2, SOFTCAP)
             s = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k,
                                  window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v)
         else:
             # Every row sees every key here, so each row's max is finite. Without softcap the
             # scale is applied inside exp2's argument (one FMA per score: max(qk) * scale is
