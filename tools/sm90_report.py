@@ -459,33 +459,38 @@ def _toolchain_id() -> str:
 
 
 def _specialize(fn, args, kwargs):
-    """(signature, constexprs, attrs, options) exactly as JITFunction.run would build them."""
+    """(signature, constexprs, attrs, options) exactly as JITFunction.run would build them;
+    tuple arguments (a kernel's strides, say) too, their elements addressed by path."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
+    from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import MockTensor
     import torch
     names = [p.name for p in fn.params]
     options = {k: v for k, v in kwargs.items() if k not in names}
     bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
     bound.apply_defaults()
-    signature, constexprs, attrs = {}, {}, {}
-    for i, (kp, (name, val)) in enumerate(zip(fn.params, bound.arguments.items())):
-        assert kp.name == name
-        if kp.is_constexpr:
-            signature[name] = "constexpr"
-            constexprs[(i,)] = val
-            continue
+
+    def mock(val):  # data_ptr 0: 16-byte aligned
         if isinstance(val, torch.Tensor):
-            val = MockTensor(val.dtype)  # data_ptr 0: 16-byte aligned
-        ty, spec = native_specialize_impl(CUDABackend, val, kp.is_const, not kp.do_not_specialize,
-                                          not kp.do_not_specialize_on_alignment)
+            return MockTensor(val.dtype)
+        if isinstance(val, tuple) and not hasattr(val, "_fields"):
+            return tuple(mock(v) for v in val)
+        return val
+
+    specialization = []
+    for kp, name in zip(fn.params, bound.arguments):
+        assert kp.name == name
         if kp.annotation_type:
             raise NotImplementedError(f"annotated kernel parameter {name}: not handled")
-        signature[name] = ty
-        if ty == "constexpr":
-            constexprs[(i,)] = spec
-        elif isinstance(spec, str):
-            attrs[(i,)] = CUDABackend.parse_attr(spec)
+        if kp.is_constexpr:
+            specialization.append(("constexpr", bound.arguments[name]))
+            continue
+        specialization.append(native_specialize_impl(CUDABackend, mock(bound.arguments[name]), kp.is_const,
+                                                     not kp.do_not_specialize,
+                                                     not kp.do_not_specialize_on_alignment))
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    _, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound.arguments, specialization, options)
     return signature, constexprs, attrs, options
 
 
