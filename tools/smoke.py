@@ -81,22 +81,10 @@ def make_descriptors(q, k, block_m, block_n):
 
 
 def _specialize(fn, args):
-    """signature / constexprs / attrs as ``JITFunction.run`` builds them (non-constexpr args)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.nvidia.compiler import CUDABackend
-    signature, constexprs, attrs = {}, {}, {}
-    for i, (p, val) in enumerate(zip(fn.params, args)):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constexprs[(i,)] = val
-            continue
-        ty, spec = native_specialize_impl(CUDABackend, val, p.is_const, not p.do_not_specialize,
-                                          not p.do_not_specialize_on_alignment)
-        signature[p.name] = ty
-        if ty == "constexpr":
-            constexprs[(i,)] = spec
-        elif isinstance(spec, str):
-            attrs[(i,)] = CUDABackend.parse_attr(spec)
+    """signature / constexprs / attrs as ``JITFunction.run`` builds them, ``args`` every
+    parameter by position (``sm90_report._specialize``)."""
+    from tools.sm90_report import _specialize as specialize
+    signature, constexprs, attrs, _ = specialize(fn, list(args), {})
     return signature, constexprs, attrs
 
 
