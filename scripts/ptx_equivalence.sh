@@ -3,6 +3,8 @@
 # instructions as those of commit REF (e.g. the last commit measured on the H200)?
 # Usage: bash scripts/ptx_equivalence.sh REF [PYTHON]
 #   PARTS="bwd dq"   compile only these parts (default: fwd bwd dq)
+#   REF may also be a folder of REF's dumps (a-fwd/, a-bwd/, a-dq/), kept by an earlier run
+#   with KEEP_REF=folder: repeated checks against one commit compile it once.
 # The compile check is tools/compile_check.py, or in a REF from before tools/ existed
 # triflash/kernels/hopper/compile_check.py: each side runs the one its tree has.
 # Prints, per kernel configuration: identical, "params-only" (the same instructions, kernel
@@ -13,13 +15,15 @@
 set -u
 cd "$(dirname "$0")/.."
 REF="$1"; PY="${2:-python3}"; TMP=$(mktemp -d)
-git worktree add -q "$TMP/ref" "$REF" || exit 1
 HERE=$(pwd)
+if [ -d "$REF" ]; then for part in ${PARTS:-fwd bwd dq}; do cp -r "$REF/a-$part" "$TMP/"; done
+else git worktree add -q "$TMP/ref" "$REF" || exit 1; fi
 check() { [ -f "$1/tools/compile_check.py" ] && echo tools.compile_check || echo triflash.kernels.hopper.compile_check; }
 for part in ${PARTS:-fwd bwd dq}; do
   flag=$([ $part = fwd ] || echo "--$part")
-  (cd "$TMP/ref" && PYTHONPATH=. $PY -m "$(check .)" $flag --dump "$TMP/a-$part" > /dev/null 2>&1) \
+  [ -d "$REF" ] || (cd "$TMP/ref" && PYTHONPATH=. $PY -m "$(check .)" $flag --dump "$TMP/a-$part" > /dev/null 2>&1) \
     || echo "REF's compile check failed (--$part)"
+  [ -n "${KEEP_REF:-}" ] && mkdir -p "$KEEP_REF" && rm -rf "$KEEP_REF/a-$part" && cp -r "$TMP/a-$part" "$KEEP_REF/"
   PYTHONPATH=. $PY -m "$(check "$HERE")" $flag --dump "$TMP/b-$part" > /dev/null 2>&1 \
     || echo "this checkout's compile check failed (--$part)"
 done
@@ -36,4 +40,4 @@ for a in "$TMP"/a-*/*.ptx; do
   else echo "REAL $(basename "$a")"; real=$((real+1)); fi
 done
 echo "vs $REF (${PARTS:-fwd bwd dq}): $((same+params+nums+real)) kernels, $same identical, $params params-only, $nums numbers-only, $real different"
-git worktree remove --force "$TMP/ref"; rm -rf "$TMP"
+[ -d "$REF" ] || git worktree remove --force "$TMP/ref"; rm -rf "$TMP"
