@@ -1,10 +1,18 @@
 """Decode tile probe on the GPU: K+V bytes read per second of flash_attn_with_kvcache for
-the decode cases under a few DecodeConfigs, beside SDPA-cuDNN (dense) and a device copy.
+the decode cases under a few DecodeConfigs and split counts, beside SDPA-cuDNN (dense) and a
+device copy.
 
-    python scripts/decode_probe.py [--configs 64x4x4,32x4x4,...] [--json PATH]
+    python scripts/decode_probe.py [--cases 0,3] [--configs 64x4x4,32x4x4,...] [--splits 1,4]
+                                   [--variant NAME:OLD=>NEW] [--json PATH]
+
+``--variant``: the decode kernel with one line of its source replaced (a probe of a kernel
+change without a second copy in the library); its rows carry the variant's name.
 """
 import argparse
 import json
+import os
+import random
+import sys
 import torch
 import triflash
 from triflash.kernels import decode
@@ -13,6 +21,8 @@ CASES = [  # batch, cache len, hq, hkv, d, page, seqlen_q
     (64, 8192, 32, 8, 128, None, 1), (64, 8192, 32, 8, 128, 64, 1), (128, 4096, 32, 8, 128, 16, 1),
     (1, 131072, 32, 8, 128, None, 1), (32, 8192, 16, 2, 256, None, 1), (64, 8192, 32, 8, 128, None, 4),
     (8, 32768, 32, 8, 128, None, 1), (64, 8192, 32, 8, 128, 1, 1), (64, 8192, 32, 8, 64, None, 1),
+    (64, 8192, 32, 8, 128, None, 1, "ragged"), (64, 8192, 32, 8, 128, 64, 1, "ragged"),
+    (256, 2048, 32, 8, 128, None, 1), (64, 8192, 32, 8, 128, 16, 1, "ragged"),
 ]
 
 
@@ -49,7 +59,7 @@ def timeit(fn, reps=20):
 
 
 def make(case, dtype=torch.bfloat16):
-    b, n, hq, hk, d, page, sq = case
+    b, n, hq, hk, d, page, sq = case[:7]
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
     if page:
         nb = b * n // page
@@ -60,8 +70,25 @@ def make(case, dtype=torch.bfloat16):
         kc = torch.randn(b, n, hk, d, device="cuda", dtype=dtype)
         vc = torch.randn(b, n, hk, d, device="cuda", dtype=dtype)
         pt = None
-    lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    if case[7:] == ("ragged",):  # uniform in [1, n], as the benchmark's ragged rows (seed 0)
+        rng = random.Random(0)
+        lens = torch.tensor([rng.randint(1, n) for _ in range(b)], dtype=torch.int32, device="cuda")
+    else:
+        lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
     return q, kc, vc, pt, lens
+
+
+def variant(spec):
+    """The decode module with one source line replaced, as a sibling module (Triton compiles
+    from source files)."""
+    name, change = spec.split(":", 1)
+    old, new = change.split("=>")
+    src = open(decode.__file__).read()
+    assert src.count(old) == 1, f"variant {name}: {old!r} found {src.count(old)} times"
+    path = os.path.join(os.path.dirname(decode.__file__), f"_probe_{name}.py")
+    open(path, "w").write(src.replace(old, new))
+    import importlib
+    return name, importlib.import_module(f"triflash.kernels._probe_{name}")
 
 
 def main():
@@ -70,7 +97,9 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--splits", default="")
     ap.add_argument("--cases", default="")
+    ap.add_argument("--variant", action="append", default=[])
     a = ap.parse_args()
+    variants = [variant(v) for v in a.variant]
     cfgs = [None] + [decode.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",") if c]
     global GRAPH
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
@@ -82,9 +111,9 @@ def main():
     for case in CASES:
         if a.cases and str(CASES.index(case)) not in a.cases.split(","):
             continue
-        b, n, hq, hk, d, page, sq = case
+        b, n, hq, hk, d, page, sq = case[:7]
         q, kc, vc, pt, lens = make(case)
-        nbytes = b * n * hk * d * 2 * 2
+        nbytes = int(lens.sum()) * hk * d * 2 * 2
         line = {"case": case}
         # correctness against SDPA math on one sequence
         out = triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True)
@@ -92,29 +121,37 @@ def main():
             kd, vd = kc[:1], vc[:1]
         else:
             kd = kc[pt[0].long()].reshape(1, n, hk, d); vd = vc[pt[0].long()].reshape(1, n, hk, d)
+        kd, vd = kd[:, :int(lens[0])], vd[:, :int(lens[0])]
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[:1].transpose(1, 2).float(), kd.transpose(1, 2).float(), vd.transpose(1, 2).float(),
             enable_gqa=True, is_causal=False if sq == 1 else False,
-            attn_mask=None if sq == 1 else torch.ones(sq, n, dtype=torch.bool, device="cuda").tril(n - sq)).transpose(1, 2)
+            attn_mask=None if sq == 1 else torch.ones(sq, kd.shape[1], dtype=torch.bool, device="cuda").tril(n - sq)).transpose(1, 2)
         line["max_err"] = (out[:1].float() - ref).abs().max().item()
+        kernel = decode.decode_kernel
+        splits = [0] + [int(x) for x in a.splits.split(",") if x]  # 0: the plan's heuristic
         for cfg in cfgs:
             decode.config = orig if cfg is None else (lambda t, d_, dv_, pg, c=cfg: c)
-            decode.plan.cache_clear()
-            try:
-                t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True))
-                line[str(cfg and (cfg.block_n, cfg.num_warps, cfg.num_stages) or "default")] = round(nbytes / t / 1e12, 3)
-            except Exception as e:  # noqa
-                line[str(cfg)] = repr(e)[:100]
+            tag = "default" if cfg is None else f"{cfg.block_n}x{cfg.num_warps}x{cfg.num_stages}"
+            for vname, mod in [("", None)] + variants:
+                decode.decode_kernel = kernel if mod is None else mod.decode_kernel
+                for ns in splits:
+                    decode.plan.cache_clear()
+                    call = lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt,
+                                                                    causal=True, num_splits=ns)
+                    key = f"{tag}{'/' + vname if vname else ''}/s{ns}"
+                    try:
+                        line[key] = round(nbytes / timeit(call) / 1e12, 3)
+                        if mod is not None and ns == splits[-1]:  # the variant's answer against the library's
+                            line[key + "/diff"] = (call().float() - out.float()).abs().max().item()
+                    except Exception as e:  # noqa
+                        line[key] = repr(e)[:100]
+        decode.decode_kernel = kernel
         decode.config = orig
         decode.plan.cache_clear()
         GRAPH = False
         t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True))
         GRAPH = True
         line["eager"] = round(nbytes / t / 1e12, 3)
-        if b * hk < 132:
-            for ns in [int(x) for x in a.splits.split(",") if x]:
-                t = timeit(lambda: triflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True, num_splits=ns))
-                line[f"splits{ns}"] = round(nbytes / t / 1e12, 3)
         if pt is None and sq == 1:
             from torch.nn.attention import sdpa_kernel, SDPBackend
             qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
@@ -122,7 +159,7 @@ def main():
                 try:
                     with sdpa_kernel(be):
                         t = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-                    line[name] = round(nbytes / t / 1e12, 3)
+                    line[name] = round(b * n * hk * d * 2 * 2 / t / 1e12, 3)  # (its whole cache)
                 except Exception as e:  # noqa
                     line[name] = repr(e)[:80]
         print(json.dumps(line), flush=True)
