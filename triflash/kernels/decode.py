@@ -7,10 +7,6 @@ bytes it streams per second. Two things make a launch stream at the card's bandw
 * **packed GQA**: the query heads of one KV head are rows of one tile (row r of a tile is
   query token r // GROUP of query head ``head_kv * GROUP + r % GROUP``), so each K/V block
   is read once per KV head, not once per query head;
-* **longest first**: with per-sequence lengths (``seqused_k``, a ragged batch) the programs
-  take the sequences in order of decreasing length (each program sorts the lengths: a few
-  hundred integers), so the GPU's in-order block dispatch starts the longest work first and
-  the short sequences fill the tail;
 * **split keys**: when batch x KV heads x query tiles leaves SMs idle, each tile's key
   blocks are cut into ``num_splits`` equal shares, one program each. A share leaves its rows'
   output normalized by its own row sums (fp32) and their natural-log log-sum-exps in a
@@ -49,8 +45,6 @@ MAX_ROWS = 64
 # Splits per tile at most (the combine loops over them) and keys per split at least.
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4
-# Batches up to this size take their sequences longest first (the sort is each program's).
-MAX_ORDERED = 256
 
 
 def config(target: str, headdim: int, headdim_v: int, paged: bool) -> DecodeConfig:
@@ -141,16 +135,6 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
 
 
 @triton.jit
-def _by_length(seqused_k, rank, batch, ORDER: tl.constexpr):
-    """The sequence with the ``rank``-th most keys of ``batch`` (ties: the lower index
-    first); ``ORDER`` a power of two >= batch."""
-    i = tl.arange(0, ORDER)
-    lens = tl.load(seqused_k + i, mask=i < batch, other=-1)
-    key = tl.sort(lens.to(tl.int64) * ORDER + (ORDER - 1 - i), descending=True)
-    return (ORDER - 1 - tl.sum(tl.where(i == rank, key, 0), 0) % ORDER).to(tl.int32)
-
-
-@triton.jit
 def _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
             lo, hi, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
             window_left, window_right, qk_scale, softcap_log2,
@@ -207,18 +191,14 @@ def decode_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     HAS_KV_BATCH: tl.constexpr, HAS_K_START: tl.constexpr, PAGED: tl.constexpr,
-    SPLIT: tl.constexpr, ORDER: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Program (split, m tile, batch * nheads_kv + head_kv); ``ORDER`` > 0: the
-    ``batch``-th longest sequence instead of sequence ``batch`` (``_by_length``)."""
+    """Program (split, m tile, batch * nheads_kv + head_kv)."""
     split = tl.program_id(0)
     m_tile = tl.program_id(1)
     bh = tl.program_id(2)
     batch = bh // nheads_kv
     head_kv = bh % nheads_kv
-    if ORDER:
-        batch = _by_length(seqused_k, batch, tl.num_programs(2) // nheads_kv, ORDER)
-        bh = batch * nheads_kv + head_kv  # (the tile's place among the split shares)
     start_q, len_q, _, len_k = seqlen_info(batch, seqlen_q, seqlen_k, total_q, 0, cu_seqlens_q,
                                            cu_seqlens_q, seqused_k, seqused_k, IS_VARLEN, False,
                                            HAS_SEQUSED_K, True)
@@ -384,7 +364,6 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     dummy = q
     total_q = q.shape[0] if varlen else q.shape[1]
     upcast = target == "interpret"
-    order = triton.next_power_of_2(batch) if seqused_k is not None and 1 < batch <= MAX_ORDERED else 0
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         *bshd_strides(q, varlen), *bshd_strides(k, False), *bshd_strides(v, False),
@@ -396,7 +375,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=block_dv,
         IS_VARLEN=varlen, HAS_SEQUSED_K=seqused_k is not None, HAS_LEFT=p.window_left >= 0,
         HAS_RIGHT=p.window_right >= 0, SOFTCAP=p.softcap > 0.0, UPCAST=upcast, **cache_flags,
-        SPLIT=split, ORDER=order, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
+        SPLIT=split, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
     if split:
         block_s = triton.next_power_of_2(pl.splits)
         chunk = min(block_dv, max(16, 8192 // block_s))  # (an 8K-element tile of shares per program)
