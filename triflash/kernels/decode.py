@@ -47,7 +47,8 @@ MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4
 
 
-def config(target: str, headdim: int, headdim_v: int, paged: bool) -> DecodeConfig:
+def config(target: str, headdim: int, headdim_v: int, paged: bool, split: bool = True) -> DecodeConfig:
+    """The tile of a decode launch; ``split``: the plan cuts the tiles' keys into shares."""
     if target == "interpret":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     # (block_n x warps x stages) measured on the H200 with CUDA-graph replay, K+V TB/s
@@ -55,11 +56,16 @@ def config(target: str, headdim: int, headdim_v: int, paged: bool) -> DecodeConf
     # head dim 256, 32 x 8192, 16/2 heads: 64x8x3 4.19, 32x4x4 4.12, 32x8x6 3.27; head dim 128,
     # dense 64 x 8192: 128x8x3 4.39, 128x4x2 4.46, 128x4x3 4.43, 64x4x4 4.39 (128x4x2 falls to
     # 3.50 on 8 x 32768, 128x8x3 keeps 4.35); paged, pages of 64 / 16 / 1: 32x4x6 4.32 / 4.24 /
-    # 4.27, 64x4x4 3.07 / 3.59 / 3.32.
+    # 4.27, 64x4x4 3.07 / 3.59 / 3.32. Dense 256 x 2048 (one share per tile; probes/
+    # decode-splits-cfg-bbc4951.json at 6b96f5f): 128x8x3 4.17, 128x4x2 4.44, 64x8x3 4.37,
+    # 64x4x4 4.35 (SDPA-cuDNN 4.47). So at head dim 128 an unsplit launch takes 128x4x2, a
+    # split one 128x8x3.
     if max(headdim, headdim_v) > 128:
         return DecodeConfig(block_n=64, num_warps=8, num_stages=3)
     if paged:  # rows gathered through the page table: narrower steps, more of them in flight
         return DecodeConfig(block_n=32, num_warps=4, num_stages=6)
+    if not split and headdim == headdim_v == 128:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=128, num_warps=8, num_stages=3)
 
 
@@ -131,6 +137,8 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
     tiles = batch * nheads_kv * m_tiles
     slots = _num_sms(device) * ctas_per_sm(cfg, headdim, headdim_v)
     splits = num_splits_for(tiles, ceil_div(capacity, cfg.block_n), slots, num_splits)
+    if splits == 1:  # (the same CTAs per SM: the split count stands)
+        cfg = config(target, headdim, headdim_v, paged, split=False)
     return Plan(bm, m_tiles, splits, cfg)
 
 
