@@ -51,6 +51,13 @@ def launches(form):
     return list(log)
 
 
+def _block_mn(fn, kwargs):
+    """(rows, keys) per tile of a launch: the decode kernel's ``TILE``, the combine's BLOCK_M."""
+    if "TILE" in kwargs:
+        return kwargs["TILE"].block_m, kwargs["TILE"].block_n
+    return kwargs.get("BLOCK_M"), None
+
+
 def report(forms=tuple(FORMS)):
     from tools import sm90_report as R
     rows = []
@@ -62,9 +69,7 @@ def report(forms=tuple(FORMS)):
             r = R._compile_spec(spec)
             rows.append(dict(form=form, kernel=fn.__name__, shared=r["shared"], registers=r["registers"],
                              spill_bytes=r["spill_stores"] + r["spill_loads"],
-                             tile=(constexprs.get((fn.arg_names.index("BLOCK_M"),)),
-                                   constexprs.get((fn.arg_names.index("BLOCK_N"),)) if "BLOCK_N" in fn.arg_names else None,
-                                   options.get("num_warps"), options.get("num_stages"))))
+                             tile=(*_block_mn(fn, kwargs), options.get("num_warps"), options.get("num_stages"))))
     return rows
 
 

@@ -22,6 +22,7 @@ The launch plan (``plan``) depends only on shapes, so a captured CUDA graph repl
 """
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,6 +38,31 @@ class DecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+
+class DecodeTile(NamedTuple):
+    """A launch's compile-time shape (the kernels' ``TILE``)."""
+    group: int       # query heads per KV head, packed into a tile's rows
+    headdim: int
+    headdim_v: int
+    block_m: int     # packed rows (query tokens x group) per tile
+    block_n: int     # keys per step
+    block_d: int     # headdim and headdim_v rounded up to powers of two
+    block_dv: int
+
+
+class DecodeFeatures(NamedTuple):
+    """A launch's compile-time switches (the kernels' ``FEAT``)."""
+    is_varlen: bool      # q packed by cu_seqlens_q
+    has_seqused_k: bool  # per-sequence key counts (cache_seqlens)
+    has_left: bool       # a sliding window's left edge
+    has_right: bool      # causal or a window's right edge
+    softcap: bool
+    upcast: bool         # fp32 operands (the interpreter)
+    has_kv_batch: bool   # cache_batch_idx
+    has_k_start: bool    # cache_leftpad
+    paged: bool          # page_table
+    split: bool          # shares merged by decode_combine_kernel
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -143,14 +169,22 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
-            lo, hi, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
-            window_left, window_right, qk_scale, softcap_log2,
-            HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr,
-            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-            UPCAST: tl.constexpr, PAGED: tl.constexpr):
+def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, len_k, k_first, page_row,
+            paging, score, MASK: tl.constexpr, TILE: tl.constexpr, FEAT: tl.constexpr):
     """Online softmax over key blocks [lo, hi); ``tok``: each row's query token (masks)."""
+    stride_kn, stride_vn, stride_kb, stride_vb = kv_strides
+    _, page_size, num_kv_blocks = paging
+    qk_scale, softcap_log2, window_left, window_right = score
+    HEADDIM: tl.constexpr = TILE.headdim
+    HEADDIM_V: tl.constexpr = TILE.headdim_v
+    BLOCK_N: tl.constexpr = TILE.block_n
+    BLOCK_D: tl.constexpr = TILE.block_d
+    BLOCK_DV: tl.constexpr = TILE.block_dv
+    HAS_LEFT: tl.constexpr = FEAT.has_left
+    HAS_RIGHT: tl.constexpr = FEAT.has_right
+    SOFTCAP: tl.constexpr = FEAT.softcap
+    UPCAST: tl.constexpr = FEAT.upcast
+    PAGED: tl.constexpr = FEAT.paged
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -186,22 +220,38 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, s
 
 
 @triton.jit
-def decode_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
-    stride_lseb, stride_lseh, stride_lsem,
-    cu_seqlens_q, seqused_k, KV_BATCH, K_START, PAGE_TABLE, stride_ptb, page_size, num_kv_blocks,
-    nheads_kv, seqlen_q, seqlen_k, total_q, num_splits,
-    qk_scale, softcap_log2, window_left, window_right,
-    GROUP: tl.constexpr, HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_KV_BATCH: tl.constexpr, HAS_K_START: tl.constexpr, PAGED: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """Program (split, m tile, batch * nheads_kv + head_kv)."""
+def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_v, stride_o, stride_lse,
+                  cu_seqlens_q, seqused_k, KV_BATCH, K_START, PAGE_TABLE, paging, sizes, score,
+                  TILE: tl.constexpr, FEAT: tl.constexpr):
+    """Program (split, m tile, batch * nheads_kv + head_kv). Strides: (batch, token, head) of
+    q, k, v, o, and (batch, head, token) of lse; ``paging`` (page-table row stride, page size,
+    cache blocks); ``sizes`` (nheads_kv, seqlen_q, seqlen_k, total_q, num_splits); ``score``
+    (qk_scale, softcap_log2, window_left, window_right); ``TILE`` a ``DecodeTile``, ``FEAT``
+    ``DecodeFeatures``."""
+    stride_qb, stride_qm, stride_qh = stride_q
+    stride_kb, stride_kn, stride_kh = stride_k
+    stride_vb, stride_vn, stride_vh = stride_v
+    stride_ob, stride_om, stride_oh = stride_o
+    stride_lseb, stride_lseh, stride_lsem = stride_lse
+    nheads_kv, seqlen_q, seqlen_k, total_q, num_splits = sizes
+    qk_scale, softcap_log2, window_left, window_right = score
+    GROUP: tl.constexpr = TILE.group
+    HEADDIM: tl.constexpr = TILE.headdim
+    HEADDIM_V: tl.constexpr = TILE.headdim_v
+    BLOCK_M: tl.constexpr = TILE.block_m
+    BLOCK_N: tl.constexpr = TILE.block_n
+    BLOCK_D: tl.constexpr = TILE.block_d
+    BLOCK_DV: tl.constexpr = TILE.block_dv
+    IS_VARLEN: tl.constexpr = FEAT.is_varlen
+    HAS_SEQUSED_K: tl.constexpr = FEAT.has_seqused_k
+    HAS_LEFT: tl.constexpr = FEAT.has_left
+    HAS_RIGHT: tl.constexpr = FEAT.has_right
+    UPCAST: tl.constexpr = FEAT.upcast
+    HAS_KV_BATCH: tl.constexpr = FEAT.has_kv_batch
+    HAS_K_START: tl.constexpr = FEAT.has_k_start
+    PAGED: tl.constexpr = FEAT.paged
+    SPLIT: tl.constexpr = FEAT.split
+    stride_ptb, _, num_kv_blocks = paging
     split = tl.program_id(0)
     m_tile = tl.program_id(1)
     bh = tl.program_id(2)
@@ -272,18 +322,12 @@ def decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # masked left edge (sliding window), unmasked middle, masked right edge (causal / tail)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
-                            lo, f_lo, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
-                            window_left, window_right, qk_scale, softcap_log2, HEADDIM, HEADDIM_V,
-                            BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
-                            f_lo, f_hi, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
-                            window_left, window_right, qk_scale, softcap_log2, HEADDIM, HEADDIM_V,
-                            BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, stride_kb, stride_vb,
-                            f_hi, hi, tok, len_q, len_k, k_first, page_row, page_size, num_kv_blocks,
-                            window_left, window_right, qk_scale, softcap_log2, HEADDIM, HEADDIM_V,
-                            BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, (stride_kn, stride_vn, stride_kb, stride_vb),
+                            lo, f_lo, tok, len_q, len_k, k_first, page_row, paging, score, True, TILE, FEAT)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, (stride_kn, stride_vn, stride_kb, stride_vb),
+                            f_lo, f_hi, tok, len_q, len_k, k_first, page_row, paging, score, False, TILE, FEAT)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, (stride_kn, stride_vn, stride_kb, stride_vb),
+                            f_hi, hi, tok, len_q, len_k, k_first, page_row, paging, score, True, TILE, FEAT)
 
     # A row that saw no key: output 0, lse = -inf (never NaN).
     seen = l_i > 0.0
@@ -302,14 +346,16 @@ def decode_kernel(
 
 
 @triton.jit
-def decode_combine_kernel(
-    O, LSE, O_PART, LSE_PART, stride_ob, stride_om, stride_oh, stride_lseb, stride_lseh, stride_lsem,
-    cu_seqlens_q, nheads_kv, seqlen_q, total_q, num_splits, m_tiles,
-    GROUP: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr,
-):
+def decode_combine_kernel(O, LSE, O_PART, LSE_PART, stride_o, stride_lse, cu_seqlens_q, sizes,
+                          GROUP: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr):
     """Program (row of a tile, tile, CHUNK columns): merges that row's ``num_splits`` shares,
-    all loaded at once (BLOCK_S >= num_splits)."""
+    all loaded at once (BLOCK_S >= num_splits). ``sizes``: (nheads_kv, seqlen_q, total_q,
+    num_splits, m_tiles)."""
+    stride_ob, stride_om, stride_oh = stride_o
+    stride_lseb, stride_lseh, stride_lsem = stride_lse
+    nheads_kv, seqlen_q, total_q, num_splits, m_tiles = sizes
     r = tl.program_id(0)
     tile = tl.program_id(1)
     bh = tile // m_tiles
@@ -372,24 +418,26 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     dummy = q
     total_q = q.shape[0] if varlen else q.shape[1]
     upcast = target == "interpret"
+    kv_batch, k_start, page_table, *paging = cache_args
+    tile = DecodeTile(group, d, dv, pl.block_m, pl.cfg.block_n, max(16, triton.next_power_of_2(d)), block_dv)
+    feat = DecodeFeatures(varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
+                          upcast, cache_flags["HAS_KV_BATCH"], cache_flags["HAS_K_START"], cache_flags["PAGED"],
+                          split)
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
-        *bshd_strides(q, varlen), *bshd_strides(k, False), *bshd_strides(v, False),
-        *bshd_strides(out, varlen), *lse_strides(lse, varlen),
-        cu_seqlens_q if varlen else dummy, seqused_k if seqused_k is not None else dummy, *cache_args,
-        nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits,
-        qk_scale, softcap_log2, p.window_left, p.window_right,
-        GROUP=group, HEADDIM=d, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_N=pl.cfg.block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=block_dv,
-        IS_VARLEN=varlen, HAS_SEQUSED_K=seqused_k is not None, HAS_LEFT=p.window_left >= 0,
-        HAS_RIGHT=p.window_right >= 0, SOFTCAP=p.softcap > 0.0, UPCAST=upcast, **cache_flags,
-        SPLIT=split, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
+        bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
+        bshd_strides(out, varlen), lse_strides(lse, varlen),
+        cu_seqlens_q if varlen else dummy, seqused_k if seqused_k is not None else dummy,
+        kv_batch, k_start, page_table, tuple(paging),
+        (nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits),
+        (qk_scale, softcap_log2, p.window_left, p.window_right),
+        TILE=tile, FEAT=feat, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
     if split:
         block_s = triton.next_power_of_2(pl.splits)
         chunk = min(block_dv, max(16, 8192 // block_s))  # (an 8K-element tile of shares per program)
         decode_combine_kernel[(pl.block_m, tiles, block_dv // chunk)](
-            out, lse, o_part, lse_part, *bshd_strides(out, varlen), *lse_strides(lse, varlen),
-            cu_seqlens_q if varlen else dummy, nheads_kv, p.max_seqlen_q, total_q, pl.splits, pl.m_tiles,
+            out, lse, o_part, lse_part, bshd_strides(out, varlen), lse_strides(lse, varlen),
+            cu_seqlens_q if varlen else dummy, (nheads_kv, p.max_seqlen_q, total_q, pl.splits, pl.m_tiles),
             GROUP=group, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_DV=block_dv, BLOCK_S=block_s,
             CHUNK=chunk, IS_VARLEN=varlen, UPCAST=upcast, num_warps=4)
     return out, lse
