@@ -118,7 +118,7 @@ def test_padded_head_dims_backward_boxes(d, width):
     assert [x.block_shape[-1] for x in args[:5]] == [width] * 5  # q, k, v, dout, dq
     assert [x.shape[-1] for x in args[:5]] == [d] * 5
     # HEAD_DIM: a varlen batch's masked dQ stores stop there
-    assert kernel_arg(bwd_dq.hopper_dq_kernel, args, "HEAD_DIM") == d
+    assert kernel_arg(bwd_dq.hopper_dq_kernel, args, "FLAGS").HEAD_DIM == d
 
 
 def test_tail_pieces():

@@ -24,6 +24,8 @@ Statistics come from the padded ``bwd_stats_kernel`` buffers of ``hopper/bwd.py`
 plain loads: 64 floats per consumer per CTA. Math and masking are those of the portable
 ``bwd_dq_kernel``.
 """
+from typing import NamedTuple
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -39,20 +41,53 @@ NUM_CONSUMERS = 2  # consumer warpgroups
 STAGES = 2
 
 
+class Flags(NamedTuple):
+    """The compile-time choices of ``hopper_dq_kernel``, its constexpr ``FLAGS``: every field
+    specializes the kernel as a constexpr parameter of its own did (one parameter instead of
+    twelve; a function reads the fields it needs into constexprs of the same names)."""
+    STAGES: int            # K / V ring depth
+    V_STAGES: int          # 0: V in K's slots; 1: V in one slot of its own
+    NUM_CONSUMERS: int     # consumer warpgroups (2)
+    HAS_LEFT: bool         # sliding window: left edge
+    HAS_RIGHT: bool        # causal / window right edge
+    SOFTCAP: bool
+    IS_VARLEN: bool
+    HAS_SEQUSED_Q: bool
+    HAS_SEQUSED_K: bool
+    LOADER_REGS: int
+    CONSUMER_REGS: int
+    HEAD_DIM: int          # the tensors' head dim (96 / 192: computed as 128 / 256)
+
+
 @gluon.jit
-def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
-               kv_ready, kv_free, v_free, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-               total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-               window_left, window_right, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-               V_STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-               HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr):
+def _query_tile(seq, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                FLAGS: gl.constexpr):
+    """``common._seq_query_tile`` of this CTA; ``seq``: (num_m_blocks, section_heads, nheads,
+    nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K)."""
+    (num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+     CU_Q, CU_K, USED_Q, USED_K) = seq
+    return _seq_query_tile(
+        gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+        CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BLOCK_M, BLOCK_N,
+        FLAGS.HAS_LEFT, FLAGS.HAS_RIGHT, FLAGS.IS_VARLEN, FLAGS.HAS_SEQUSED_Q, FLAGS.HAS_SEQUSED_K)
+
+
+@gluon.jit
+def _dq_loader(descs, smem, seq, window, FLAGS: gl.constexpr):
+    """The TMA producer. ``descs``: (q_desc, do_desc, k_desc, v_desc); ``smem``: the shared
+    tiles and barriers (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free);
+    ``seq``: as ``_query_tile``'s; ``window``: (window_left, window_right)."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free = smem
+    window_left, window_right = window
+    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
+    STAGES: gl.constexpr = FLAGS.STAGES
+    V_STAGES: gl.constexpr = FLAGS.V_STAGES
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
-     n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-        gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-        CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
-        HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+     n_min, n_full_min, n_full_max, n_max) = _query_tile(seq, window_left, window_right, BM * NUM_CONSUMERS,
+                                                          BLOCK_N, FLAGS)
     mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
@@ -75,13 +110,19 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring
 
 
 @gluon.jit
-def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready, kv_free, v_free, dq, lse, delta,
-             rows, cols0, len_q, len_k, qk_scale, softcap_log2, window_left, window_right, seqlen_q,
-             STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
-    """Key block ``n`` (ring slot ``it``); returns dq. Each wgmma is waited for inside the
-    step (an async token cannot be carried through a loop); the two consumer warpgroups
-    overlap each other's element-wise work and wgmmas."""
+def _dq_step(it, n, smem, dq, lse, delta, rows, cols0, len_q, len_k, scalars, seqlen_q,
+             FLAGS: gl.constexpr, MASK: gl.constexpr, CID: gl.constexpr):
+    """Key block ``n`` (ring slot ``it``) for consumer warpgroup ``CID``; returns dq. Each
+    wgmma is waited for inside the step (an async token cannot be carried through a loop);
+    the two consumer warpgroups overlap each other's element-wise work and wgmmas. ``smem``:
+    as the loader's (``_dq_loader``); ``scalars``: the kernel's."""
+    q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free = smem
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    STAGES: gl.constexpr = FLAGS.STAGES
+    V_STAGES: gl.constexpr = FLAGS.V_STAGES
+    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
+    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
     if V_STAGES == 0:
         slot = CID
     else:
@@ -134,15 +175,22 @@ def _dq_step(it, n, q_bufs, do_bufs, CID: gl.constexpr, k_ring, v_ring, kv_ready
 
 
 @gluon.jit
-def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free, dq_desc,
-                 DQ, stride_dqm, stride_dqh, STAT, DELTA,
-                 stride_sb, stride_sh, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k,
-                 total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                 qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                 STAGES: gl.constexpr, V_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, CID: gl.constexpr,
-                 IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                 HEAD_DIM: gl.constexpr):
+def _dq_consumer(smem, dq_out, stats, seq, scalars, FLAGS: gl.constexpr, CID: gl.constexpr):
+    """Consumer warpgroup ``CID``: dQ of query rows ``row0 + CID * 64 + [0, 64)``.
+    ``smem``: as the loader's (``_dq_loader``); ``dq_out``: (dq_desc, DQ, (stride_dqm,
+    stride_dqh)); ``stats``: (STAT, DELTA, (stride_sb, stride_sh)); ``seq``: as
+    ``_query_tile``'s; ``scalars``: the kernel's."""
+    q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free = smem
+    dq_desc, DQ, stride_dq = dq_out
+    stride_dqm, stride_dqh = stride_dq
+    STAT, DELTA, stride_s = stats
+    stride_sb, stride_sh = stride_s
+    (num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+     CU_Q, CU_K, USED_Q, USED_K) = seq
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
+    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
     q_buf = q_bufs.index(CID)
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
@@ -152,10 +200,8 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
     o_layout: gl.constexpr = _acc_layout(D, dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
-     n_min, n_full_min, n_full_max, n_max) = _seq_query_tile(
-        gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-        CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N,
-        HAS_LEFT, HAS_RIGHT, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+     n_min, n_full_min, n_full_max, n_max) = _query_tile(seq, window_left, window_right, BM * NUM_CONSUMERS,
+                                                          BLOCK_N, FLAGS)
     row_start = row0 + CID * BM
     rows = row_start + gl.arange(0, BM, layout=row_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -169,10 +215,8 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
     bounds = (n_min, n_full_min, n_full_max, n_max)
     for seg in gl.static_range(3):  # masked left edge, unmasked middle, masked right edge
         for n in range(bounds[seg], bounds[seg + 1]):
-            dq = _dq_step(n - n_min, n, q_bufs, do_bufs, CID, k_ring, v_ring, kv_ready, kv_free, v_free,
-                          dq, lse, delta, rows, cols0, len_q, len_k, qk_scale,
-                          softcap_log2, window_left, window_right, seqlen_q,
-                          STAGES, V_STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+            dq = _dq_step(n - n_min, n, smem, dq, lse, delta, rows, cols0, len_q, len_k, scalars, seqlen_q,
+                          FLAGS, seg != 1, CID)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
     _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
@@ -180,15 +224,20 @@ def _dq_consumer(q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_
 
 
 @gluon.jit
-def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, stride_dqh,
-                     STAT, DELTA, stride_sb, stride_sh,
-                     nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks, section_heads,
-                     total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                     qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                     STAGES: gl.constexpr, V_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                     IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
+def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dq, STAT, DELTA, stride_s,
+                     sizes, CU_Q, CU_K, USED_Q, USED_K, scalars, FLAGS: gl.constexpr):
+    """``stride_dq``: (row, head) strides of DQ (varlen stores); ``stride_s``: (batch, head)
+    strides of STAT / DELTA; ``sizes``: (nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks,
+    section_heads, total_q, total_k); ``scalars``: (qk_scale, softmax_scale, softcap_log2,
+    window_left, window_right); ``FLAGS``: a ``Flags``. Tuples of host scalars only: the
+    launch plans swap tensors in top-level argument slots."""
+    nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks, section_heads, total_q, total_k = sizes
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    STAGES: gl.constexpr = FLAGS.STAGES
+    V_STAGES: gl.constexpr = FLAGS.V_STAGES
+    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
+    LOADER_REGS: gl.constexpr = FLAGS.LOADER_REGS
+    CONSUMER_REGS: gl.constexpr = FLAGS.CONSUMER_REGS
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -220,26 +269,17 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dqm, s
         for i in gl.static_range(V_STAGES):
             mbarrier.init(v_free.index(i), count=NUM_CONSUMERS)
 
+    # (the partitions' arguments in the order they were spelled out one by one: the values
+    # each partition captures, in that order)
+    smem = (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free)
+    seq = (num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
+           CU_Q, CU_K, USED_Q, USED_K)
+    dq_out = (dq_desc, DQ, stride_dq)
+    stats = (STAT, DELTA, stride_s)
     gl.warp_specialize(
-        [(_dq_consumer, (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, v_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
-                         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                         CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
-                         softcap_log2, window_left, window_right,
-                         STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM)),
-         (_dq_consumer, (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready,
-                         kv_free, v_free, dq_desc, DQ, stride_dqm, stride_dqh, STAT, DELTA, stride_sb, stride_sh, num_m_blocks, section_heads,
-                         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                         CU_Q, CU_K, USED_Q, USED_K, qk_scale, softmax_scale,
-                         softcap_log2, window_left, window_right,
-                         STAGES, V_STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP, 1,
-                         IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HEAD_DIM)),
-         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_ready, k_ring, v_ring,
-                       kv_ready, kv_free, v_free, num_m_blocks, section_heads, nheads, nheads_kv,
-                       seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                       window_left, window_right, NUM_CONSUMERS, STAGES, V_STAGES, HAS_LEFT, HAS_RIGHT,
-                       IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K))],
+        [(_dq_consumer, (smem, dq_out, stats, seq, scalars, FLAGS, 0)),
+         (_dq_consumer, (smem, dq_out, stats, seq, scalars, FLAGS, 1)),
+         (_dq_loader, ((q_desc, do_desc, k_desc, v_desc), smem, seq, (window_left, window_right), FLAGS))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -260,13 +300,18 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, v_stages=0)
     num_m_blocks = ceil_div(pb.seqlen_q, bm * NUM_CONSUMERS)
     qk_scale, softcap_log2 = params.score_constants()
     d = kernel_head_dim(q.shape[-1])  # 96 / 192: boxes 128 / 256 wide
+    total_q, total_k, cu_q, cu_k, used_q, used_k = pb.seq_args
+    is_varlen, has_used_q, has_used_k = pb.seq_flags
+    flags = Flags(STAGES=STAGES, V_STAGES=v_stages, NUM_CONSUMERS=NUM_CONSUMERS,
+                  HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+                  SOFTCAP=params.softcap > 0.0, IS_VARLEN=is_varlen, HAS_SEQUSED_Q=has_used_q,
+                  HAS_SEQUSED_K=has_used_k, LOADER_REGS=LOADER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+                  HEAD_DIM=q.shape[-1])
     args = [descriptor(q, bm, d), descriptor(k, block_n, d), descriptor(v, block_n, d), descriptor(dout, bm, d),
-            descriptor(dq, bm, d), dq, dq.stride(1), dq.stride(2), stat, delta, stat.stride(0), stat.stride(1),
-            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks,
-            pb.section_heads(k, v, params), *pb.seq_args,
-            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            STAGES, v_stages, NUM_CONSUMERS, params.window_left >= 0, params.window_right >= 0,
-            params.softcap > 0.0, *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, q.shape[-1]]  # .., HEAD_DIM
+            descriptor(dq, bm, d), dq, (dq.stride(1), dq.stride(2)), stat, delta, (stat.stride(0), stat.stride(1)),
+            (pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks, pb.section_heads(k, v, params),
+             total_q, total_k), cu_q, cu_k, used_q, used_k,
+            (qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right), flags]
     return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
