@@ -75,17 +75,6 @@ class Flags(NamedTuple):
     HEAD_DIM: int          # the tensors' head dim (192: computed as 256)
     REG_A: int             # configs.HopperBwdConfig.reg_a
 
-    @property
-    def DS_WG1(self) -> bool:
-        """dS^T by WG1 from P^T in 16 bits, but with softcap (its dS needs WG0's tanh)."""
-        return not self.SOFTCAP
-
-    @property
-    def TMA_EPILOGUE(self) -> bool:
-        """dK / dV out by TMA stores, but on a varlen batch (they would cross into the next
-        sequence)."""
-        return not self.IS_VARLEN
-
 
 @gluon.jit
 def _wg_scores(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexpr):
@@ -110,9 +99,12 @@ def _wg_scores(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexp
     HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
     HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
     SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
-    DS_WG1: gl.constexpr = FLAGS.DS_WG1
-    TMA_EPILOGUE: gl.constexpr = FLAGS.TMA_EPILOGUE
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
     REG_A: gl.constexpr = FLAGS.REG_A
+    # dS^T by WG1 from P^T in 16 bits, but with softcap (its dS needs WG0's tanh)
+    DS_WG1: gl.constexpr = not SOFTCAP
+    # dK / dV out by TMA stores, but on a varlen batch (they would cross into the next sequence)
+    TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -231,10 +223,12 @@ def _wg_dprobs(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexp
     m_min, m_full_min, m_full_max, m_max = bounds
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
     STAGES: gl.constexpr = FLAGS.STAGES
-    DS_WG1: gl.constexpr = FLAGS.DS_WG1
+    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
     HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
-    TMA_EPILOGUE: gl.constexpr = FLAGS.TMA_EPILOGUE
     REG_A: gl.constexpr = FLAGS.REG_A
+    DS_WG1: gl.constexpr = not SOFTCAP  # (as _wg_scores')
+    TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
