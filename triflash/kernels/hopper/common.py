@@ -329,9 +329,9 @@ def _store_rows(buf, PTR, stride_row, nrows, NCOLS: gl.constexpr):
 # specializes on, cheaper to build than the binding: ints, floats, bools and None by value,
 # tensors by dtype and 16-byte alignment, TMA descriptors by dtype and box (the box fixes
 # the layout: ``descriptor`` / ``stat_descriptor`` derive it from the box and dtype
-# alone), tuples (and NamedTuple constexprs) by their elements. A repeat goes straight to the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1
-# (the GPU test suite) has Triton specialize each repeat as well and checks that it picks the
-# same compiled kernel.
+# alone), tuples (and NamedTuple constexprs) by their elements. A repeat goes straight to
+# the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1 (the GPU test suite) has Triton
+# specialize each repeat as well and checks that it picks the same compiled kernel.
 
 VERIFY_LAUNCHES = os.environ.get("TRIFLASH_VERIFY_LAUNCHES", "0") == "1"
 _COMPILED = {}
