@@ -393,8 +393,8 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, FLAGS: 
         head = head_kv * group + g
         base = g * count - m_min  # ring slot counter of query block m is base + m
         # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
-        # top edge (window left edge); a key block reaching past len_k is masked throughout.
-        bounds = (m_min, m_full_min, m_full_max, m_max)
+        # top edge (window left edge) of ``bounds``; a key block reaching past len_k is masked
+        # throughout.
         for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
             for m in range(bounds[seg], bounds[seg + 1]):
                 dk, dv = _bwd_step(base + m, m, head, k_a, v_a, k_bufs, ring,
@@ -529,8 +529,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
             mbarrier.init(ds_bars.index(i), count=NUM_CONSUMERS)
     kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, NUM_CONSUMERS)
 
-    # (the partitions' arguments in the order they were spelled out one by one: the values
-    # each partition captures, in that order)
+    # (the partitions' arguments grouped in tuples: the same PTX as spelled out one by one)
     kv = (k_bufs, v_bufs, kv_bar)
     ring = (q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free)
     dq_io = (ds_bufs, ds_bars, dq_bufs, dq_desc)
