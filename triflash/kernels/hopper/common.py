@@ -329,9 +329,10 @@ def _store_rows(buf, PTR, stride_row, nrows, NCOLS: gl.constexpr):
 # specializes on, cheaper to build than the binding: ints, floats, bools and None by value,
 # tensors by dtype and 16-byte alignment, TMA descriptors by dtype and box (the box fixes
 # the layout: ``descriptor`` / ``stat_descriptor`` derive it from the box and dtype
-# alone), tuples (and NamedTuple constexprs) by their elements. A repeat goes straight to
-# the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1 (the GPU test suite) has Triton
-# specialize each repeat as well and checks that it picks the same compiled kernel.
+# alone), tuples (a kernel's strides, sizes or constexpr NamedTuple) by their type and their
+# elements' keys. A repeat goes straight to the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1
+# (the GPU test suite) has Triton specialize each repeat as well and checks that it picks the
+# same compiled kernel.
 
 VERIFY_LAUNCHES = os.environ.get("TRIFLASH_VERIFY_LAUNCHES", "0") == "1"
 _COMPILED = {}
@@ -350,7 +351,7 @@ def _launch_key(args):
             key.append((a.base.dtype, *a.block_shape))
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, (a.data_ptr() & 15) == 0))
-        elif isinstance(a, tuple):  # a tuple argument (strides, sizes) or a NamedTuple constexpr
+        elif isinstance(a, tuple):  # (Triton specializes each element as a flat argument)
             inner = _launch_key(a)
             if inner is None:
                 return None
