@@ -61,6 +61,7 @@ and dK / dV leave by masked stores (``common._store_rows``) where a TMA box woul
 the next sequence.
 """
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -87,19 +88,48 @@ VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked d
 SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split over the warpgroups)
 
 
+class Flags(NamedTuple):
+    """The compile-time choices of ``hopper_bwd_kernel``, its constexpr ``FLAGS``: every field
+    specializes the kernel as a constexpr parameter of its own did (one parameter instead of
+    fifteen; a function reads the fields it needs into constexprs of the same names)."""
+    STAGES: int            # Q / dO ring depth
+    NUM_CONSUMERS: int     # consumer warpgroups (2)
+    HAS_LEFT: bool         # sliding window: left edge
+    HAS_RIGHT: bool        # causal / window right edge
+    SOFTCAP: bool
+    ATOMIC_DQ: bool        # dQ by TMA reduce-adds in this kernel
+    IS_VARLEN: bool
+    HAS_SEQUSED_Q: bool
+    HAS_SEQUSED_K: bool
+    LOADER_REGS: int
+    CONSUMER_REGS: int
+    HEAD_DIM: int          # the tensors' head dim (96: computed as 128)
+    REG_A: int             # configs.HopperBwdConfig.reg_a
+    SPLIT: int             # > 1: the last wave's key tiles in SPLIT pieces (tail_pieces)
+    DQ_LAG: bool = False   # the in-kernel dQ one block later
+
+
 @gluon.jit
-def _bwd_step(it, m, k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready,
-              free, k_bufs, ds_bufs, ds_bars, dq_buf, dq_desc, dk, dv, keys, qcols0,
-              tma_batch, head, len_q, len_k, qk_scale, neg_inv_scale, softcap_log2,
-              window_left, window_right, STAGES: gl.constexpr, MASK: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, C: gl.constexpr,
-              m_min=0, m_max=0, DQ_LAG: gl.constexpr = False):
-    """One query block (ring slot ``it``) for the 64 keys of consumer warpgroup ``C``;
-    returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the block's dQ, or with
-    ``DQ_LAG`` those of the block before (the previous query block of this head, or the last,
-    ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the S^T / dP^T wgmmas' A
-    operands, shared tiles or registers (``REG_A``)."""
+def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcols0, tma_batch, len_q, len_k,
+              scalars, bounds, FLAGS: gl.constexpr, MASK: gl.constexpr, C: gl.constexpr):
+    """One query block ``m`` of query head ``head`` (ring slot ``it``) for the 64 keys of
+    consumer warpgroup ``C``; returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the
+    block's dQ, or with ``DQ_LAG`` those of the block before (the previous query block of
+    this head, or the last, ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the
+    S^T / dP^T wgmmas' A operands, shared tiles or registers (``REG_A``). ``ring``: the
+    loader's rings and barriers (``bwd_loader._bwd_loader``); ``dq_io``: (ds_bufs, ds_bars,
+    this warpgroup's dq_buf, dq_desc); ``scalars``: the kernel's; ``bounds``: the key
+    block's query block range (m_min, m_full_min, m_full_max, m_max)."""
+    q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free = ring
+    ds_bufs, ds_bars, dq_buf, dq_desc = dq_io
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    m_min, m_full_min, m_full_max, m_max = bounds
+    STAGES: gl.constexpr = FLAGS.STAGES
+    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
+    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
+    ATOMIC_DQ: gl.constexpr = FLAGS.ATOMIC_DQ
+    DQ_LAG: gl.constexpr = FLAGS.DQ_LAG
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -313,21 +343,30 @@ def _store_piece(DKV_PART, slot, dk, dv, C: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
-                  q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
-                  DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
-                  tma_batch, head_kv, group, start_k, key_start, len_q, len_k,
-                  m_min, m_full_min, m_full_max, m_max,
-                  qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                  STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  REG_A: gl.constexpr, slot, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
+def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, FLAGS: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
     1: K, 2: K and V held in registers as the S^T / dP^T wgmmas' A operand. ``SPLIT`` > 1: a
-    CTA with ``slot`` >= 0 ran a piece of a split tile and stores its dK / dV in ``DKV_PART``."""
+    CTA with ``slot`` >= 0 ran a piece of a split tile and stores its dK / dV in ``DKV_PART``.
+    ``kv`` / ``ring``: as the loader's (``bwd_loader._bwd_loader``); ``dq_io``: (ds_bufs,
+    ds_bars, dq_bufs, dq_desc); ``out``: dK / dV's way out (``_store_dkdv``); ``seq``: the
+    key block's (tma_batch, head_kv, group, start_k, key_start, len_q, len_k); ``bounds``: its
+    query block range (m_min, m_full_min, m_full_max, m_max); ``scalars``: the kernel's;
+    ``split_out``: (slot, DKV_PART)."""
+    k_bufs, v_bufs, kv_bar = kv
+    q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free = ring
+    ds_bufs, ds_bars, dq_bufs, dq_desc = dq_io
+    tma_batch, head_kv, group, start_k, key_start, len_q, len_k = seq
+    m_min, m_full_min, m_full_max, m_max = bounds
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    slot, DKV_PART = split_out
+    ATOMIC_DQ: gl.constexpr = FLAGS.ATOMIC_DQ
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
+    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
+    REG_A: gl.constexpr = FLAGS.REG_A
+    SPLIT: gl.constexpr = FLAGS.SPLIT
+    DQ_LAG: gl.constexpr = FLAGS.DQ_LAG
     k_buf = k_bufs.index(C)
     v_buf = v_bufs.index(C)
     KR: gl.constexpr = k_buf.shape[0]
@@ -343,7 +382,6 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
     qcols0 = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
     dk = gl.zeros([KR, D], gl.float32, o_layout)
     dv = gl.zeros([KR, DV], gl.float32, ov_layout)
-    neg_inv_scale = -1.0 / qk_scale
 
     mbarrier.wait(kv_bar, 0)
     k_a = a_operand(k_buf, REG_A > 0, s_layout)
@@ -355,16 +393,13 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
         head = head_kv * group + g
         base = g * count - m_min  # ring slot counter of query block m is base + m
         # masked bottom edge (causal diagonal / window right edge), unmasked middle, masked
-        # top edge (window left edge); a key block reaching past len_k is masked throughout.
-        bounds = (m_min, m_full_min, m_full_max, m_max)
+        # top edge (window left edge) of ``bounds``; a key block reaching past len_k is masked
+        # throughout.
         for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
             for m in range(bounds[seg], bounds[seg + 1]):
-                dk, dv = _bwd_step(base + m, m, k_a, v_a, q_ring, do_ring, lse_ring, delta_ring,
-                                   q_ready, do_ready, free, k_bufs, ds_bufs, ds_bars, dq_bufs.index(C),
-                                   dq_desc, dk, dv, keys, qcols0, tma_batch, head, len_q, len_k,
-                                   qk_scale, neg_inv_scale, softcap_log2, window_left, window_right,
-                                   STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, C,
-                                   m_min, m_max, DQ_LAG)
+                dk, dv = _bwd_step(base + m, m, head, k_a, v_a, k_bufs, ring,
+                                   (ds_bufs, ds_bars, dq_bufs.index(C), dq_desc), dk, dv, keys, qcols0,
+                                   tma_batch, len_q, len_k, scalars, bounds, FLAGS, seg != 1, C)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -384,20 +419,21 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
         if slot >= 0:
             _store_piece(DKV_PART, slot, dk * softmax_scale, dv, C)
         else:
-            _store_dkdv(k_buf, v_buf, dk, dv, dk_desc, dv_desc, DK_OUT, stride_dkn, stride_dkh, DV_OUT,
-                        stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
+            _store_dkdv(k_buf, v_buf, dk, dv, out, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
                         IS_VARLEN, HEAD_DIM)
     else:
-        _store_dkdv(k_buf, v_buf, dk, dv, dk_desc, dv_desc, DK_OUT, stride_dkn, stride_dkh, DV_OUT,
-                    stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
+        _store_dkdv(k_buf, v_buf, dk, dv, out, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
                     IS_VARLEN, HEAD_DIM)
 
 
 @gluon.jit
-def _store_dkdv(k_buf, v_buf, dk, dv, dk_desc, dv_desc, DK_OUT, stride_dkn, stride_dkh, DV_OUT,
-                stride_dvn, stride_dvh, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
+def _store_dkdv(k_buf, v_buf, dk, dv, out, tma_batch, head_kv, start_k, key_start, len_k, softmax_scale,
                 IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """dK * softmax_scale and dV of a warpgroup's keys out through its K / V tiles."""
+    """dK * softmax_scale and dV of a warpgroup's keys out through its K / V tiles; ``out``:
+    (dk_desc, dv_desc, DK_OUT, (stride_dkn, stride_dkh), DV_OUT, (stride_dvn, stride_dvh))."""
+    dk_desc, dv_desc, DK_OUT, stride_dk, DV_OUT, stride_dv = out
+    stride_dkn, stride_dkh = stride_dk
+    stride_dvn, stride_dvh = stride_dv
     dtype: gl.constexpr = k_buf.dtype
     k_buf.store((dk * softmax_scale).to(dtype))
     v_buf.store(dv.to(dtype))
@@ -416,16 +452,28 @@ def _store_dkdv(k_buf, v_buf, dk, dv, dk_desc, dv_desc, DK_OUT, stride_dkn, stri
 
 @gluon.jit
 def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
-                      DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh, dq_desc,
-                      nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                      qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                      STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ATOMIC_DQ: gl.constexpr, IS_VARLEN: gl.constexpr,
-                      HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      REG_A: gl.constexpr,
-                      n_full, nb, DKV_PART, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr = False):
+                      DK_OUT, stride_dk, DV_OUT, stride_dv, dq_desc,
+                      sizes, CU_Q, CU_K, USED_Q, USED_K, scalars, split_tiles, DKV_PART, FLAGS: gl.constexpr):
+    """``stride_dk`` / ``stride_dv``: (row, head) strides of DK_OUT / DV_OUT (varlen stores);
+    ``sizes``: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k); ``scalars``:
+    (qk_scale, softmax_scale, softcap_log2, window_left, window_right); ``split_tiles``:
+    (n_full, nb) of a split last wave (``_split_tile``); ``FLAGS``: a ``Flags``. Tuples of
+    host scalars only: the launch plans swap tensors in top-level argument slots."""
+    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k = sizes
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    n_full, nb = split_tiles
+    STAGES: gl.constexpr = FLAGS.STAGES
+    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
+    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
+    ATOMIC_DQ: gl.constexpr = FLAGS.ATOMIC_DQ
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
+    HAS_SEQUSED_Q: gl.constexpr = FLAGS.HAS_SEQUSED_Q
+    HAS_SEQUSED_K: gl.constexpr = FLAGS.HAS_SEQUSED_K
+    LOADER_REGS: gl.constexpr = FLAGS.LOADER_REGS
+    CONSUMER_REGS: gl.constexpr = FLAGS.CONSUMER_REGS
+    SPLIT: gl.constexpr = FLAGS.SPLIT
+    DQ_LAG: gl.constexpr = FLAGS.DQ_LAG
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -481,42 +529,40 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
             mbarrier.init(ds_bars.index(i), count=NUM_CONSUMERS)
     kv_bar, q_ready, do_ready, free = _loader_barriers(STAGES, NUM_CONSUMERS)
 
+    # (the partitions' arguments grouped in tuples: the same PTX as spelled out one by one)
+    kv = (k_bufs, v_bufs, kv_bar)
+    ring = (q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free)
+    dq_io = (ds_bufs, ds_bars, dq_bufs, dq_desc)
+    out = (dk_desc, dv_desc, DK_OUT, stride_dk, DV_OUT, stride_dv)
+    bounds = (m_min, m_full_min, m_full_max, m_max)
+    split_out = (slot, DKV_PART)
     gl.warp_specialize(
-        [(_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
-                          q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
-                          DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
-                          tma_batch, head_kv, group, start_k, key0, len_q, len_k,
-                          m_min, m_full_min, m_full_max, m_max,
-                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 0, HEAD_DIM,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
-         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, delta_ring,
-                          q_ready, do_ready, free, ds_bufs, ds_bars, dq_bufs, dq_desc, dk_desc, dv_desc,
-                          DK_OUT, stride_dkn, stride_dkh, DV_OUT, stride_dvn, stride_dvh,
-                          tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k,
-                          m_min, m_full_min, m_full_max, m_max,
-                          qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                          STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, ATOMIC_DQ, IS_VARLEN, 1, HEAD_DIM,
-                          REG_A, slot, DKV_PART, SPLIT, DQ_LAG)),
-         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
-                        kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                        tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
+        [(_bwd_consumer, (kv, ring, dq_io, out, (tma_batch, head_kv, group, start_k, key0, len_q, len_k),
+                          bounds, scalars, split_out, FLAGS, 0)),
+         (_bwd_consumer, (kv, ring, dq_io, out, (tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k),
+                          bounds, scalars, split_out, FLAGS, 1)),
+         (_bwd_loader, ((q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc), kv, ring,
+                        (tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max),
                         NUM_CONSUMERS, STAGES))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @triton.jit
-def bwd_stats_kernel(O, DO, LSE, STAT, DELTA,
-                     stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
-                     stride_lseb, stride_lseh, stride_lsem, stride_sb, stride_sh,
-                     nheads, seqlen_q, total_q, CU_Q, USED_Q,
+def bwd_stats_kernel(O, DO, LSE, STAT, DELTA, stride_o, stride_do, stride_lse, stride_s, sizes, CU_Q, USED_Q,
                      HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                      IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per query row, into buffers padded to whole query tiles per sequence (TMA tiles never
     leave a sequence's rows, see ``common.stat_row0``): Delta = rowsum(dO * O) (0 past
     len_q) and lse in log2 units, +inf past len_q and for rows that saw no key (lse = -inf),
     so that P = exp2(S - lse) is 0 there. ``BLOCK_D``: HEADDIM_V rounded up to a power of two
-    (columns past HEADDIM_V masked)."""
+    (columns past HEADDIM_V masked). ``stride_o`` / ``stride_do``: (batch, row, head) strides
+    of O / dO; ``stride_lse``: LSE's (batch, head, row); ``stride_s``: STAT's and DELTA's
+    (batch, head); ``sizes``: (nheads, seqlen_q, total_q)."""
+    stride_ob, stride_om, stride_oh = stride_o
+    stride_dob, stride_dom, stride_doh = stride_do
+    stride_lseb, stride_lseh, stride_lsem = stride_lse
+    stride_sb, stride_sh = stride_s
+    nheads, seqlen_q, total_q = sizes
     bh, m_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_q, BLOCK_M), 1)  # seqlen_q: the longest
     batch = bh // nheads
     head = bh % nheads
@@ -560,18 +606,20 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
     qk_scale, softcap_log2 = params.score_constants()
     kr = ROWS_PER_CONSUMER
     d = kernel_head_dim(q.shape[-1])
+    total_q, total_k, cu_q, cu_k, used_q, used_k = pb.seq_args
+    flags = Flags(STAGES=cfg.atomic_stages if atomic_dq else cfg.stages, NUM_CONSUMERS=NUM_CONSUMERS,
+                  HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+                  SOFTCAP=params.softcap > 0.0, ATOMIC_DQ=atomic_dq, IS_VARLEN=pb.seq_flags[0],
+                  HAS_SEQUSED_Q=pb.seq_flags[1], HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS,
+                  CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=q.shape[-1], REG_A=cfg.reg_a_for(params.softcap),
+                  SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq)
     return [descriptor(q, BLOCK_M, d), descriptor(k, kr, d), descriptor(v, kr, d), descriptor(dout, BLOCK_M, d),
             descriptor(dk, kr, d), descriptor(dv, kr, d), stat_descriptor(stat), stat_descriptor(delta),
-            dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2),
+            dk, (dk.stride(1), dk.stride(2)), dv, (dv.stride(1), dv.stride(2)),
             descriptor(dq_accum, BLOCK_M, d // 2),
-            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
-            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            cfg.atomic_stages if atomic_dq else cfg.stages, NUM_CONSUMERS,
-            params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0, atomic_dq,
-            *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, q.shape[-1],  # .., HEAD_DIM
-            cfg.reg_a_for(params.softcap),
-            n_full, ceil_div(pb.seqlen_k, BLOCK_N), dkv_part, pieces,  # .., n_full, nb, DKV_PART, SPLIT,
-            cfg.dq_lag and atomic_dq]  # DQ_LAG
+            (pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, total_q, total_k), cu_q, cu_k, used_q, used_k,
+            (qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right),
+            (n_full, ceil_div(pb.seqlen_k, BLOCK_N)), dkv_part, flags]
 
 
 def stats(pb, out, dout, lse):
@@ -588,9 +636,8 @@ def stats(pb, out, dout, lse):
 
     def build():
         return (ceil_div(pb.seqlen_q, BLOCK_M) * pb.batch * pb.nheads,), [
-            o4, do4, lse, stat, delta, o4.stride(0), o4.stride(1), o4.stride(2),
-            do4.stride(0), do4.stride(1), do4.stride(2), *pb.lse_strides(lse),
-            stat.stride(0), stat.stride(1), pb.nheads, pb.seqlen_q, pb.total_q, pb.cu_q, pb.used_q,
+            o4, do4, lse, stat, delta, o4.stride()[:3], do4.stride()[:3], pb.lse_strides(lse),
+            (stat.stride(0), stat.stride(1)), (pb.nheads, pb.seqlen_q, pb.total_q), pb.cu_q, pb.used_q,
             out.shape[-1], BLOCK_M, pb.varlen, pb.has_used_q,  # HEADDIM_V, BLOCK_M, IS_VARLEN, HAS_SEQUSED_Q
             triton.next_power_of_2(out.shape[-1])]  # BLOCK_D
     # dense: a plan per signature (pb.cu_q: the tensor a dense batch passes for its absent

@@ -42,6 +42,8 @@ from shared memory (the kernel is bound by shared-memory traffic: docs/hopper.md
 Shared memory (bf16, 2 stages): K, V 64 KB; Q, dO rings 128 KB; pt 8 KB, ds 8 KB, dp 16 KB
 (softcap only); lse / Delta rings 1 KB: 214480 B (230912 B with softcap) of 232448.
 """
+from typing import NamedTuple
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -57,18 +59,52 @@ BLOCK_M = 64   # query rows per streamed tile
 HALF = 128     # head-dim columns per warpgroup
 
 
+class Flags(NamedTuple):
+    """The compile-time choices of ``hopper_bwd256_kernel``, its constexpr ``FLAGS``: every
+    field specializes the kernel as a constexpr parameter of its own did (a function reads
+    the fields it needs into constexprs of the same names)."""
+    STAGES: int            # Q / dO ring depth
+    HAS_LEFT: bool         # sliding window: left edge
+    HAS_RIGHT: bool        # causal / window right edge
+    SOFTCAP: bool
+    IS_VARLEN: bool
+    HAS_SEQUSED_Q: bool
+    HAS_SEQUSED_K: bool
+    LOADER_REGS: int
+    CONSUMER_REGS: int
+    HEAD_DIM: int          # the tensors' head dim (192: computed as 256)
+    REG_A: int             # configs.HopperBwdConfig.reg_a
+
+
 @gluon.jit
-def _wg_scores(k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-               tma_batch, head_kv, group, start_k, key0, len_q, len_k, m_min, m_full_min, m_full_max, m_max,
-               qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-               dk_desc, dv_desc,
-               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               SOFTCAP: gl.constexpr, DS_WG1: gl.constexpr,
-               TMA_EPILOGUE: gl.constexpr, REG_A: gl.constexpr):
+def _wg_scores(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). ``REG_A``
-    (``configs.HopperBwdConfig.reg_a``): the first ``REG_A`` K halves in registers."""
+    (``configs.HopperBwdConfig.reg_a``): the first ``REG_A`` K halves in registers.
+    ``kv`` / ``ring``: as the loader's (``bwd_loader._bwd_loader``); ``xchg``: the exchange
+    tiles and barriers (pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free,
+    ds_ready, ds_free); ``dkv_out``: (DK, DV, their (batch, row, head) strides, dk_desc,
+    dv_desc); ``seq``: the key block's (tma_batch, head_kv, group, start_k, key0, len_q,
+    len_k); ``bounds``: its query block range (m_min, m_full_min, m_full_max, m_max);
+    ``scalars``: the kernel's."""
+    k_bufs, v_bufs, kv_bar = kv
+    q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free = ring
+    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free = xchg
+    DK, DV, stride_dk, stride_dv, dk_desc, dv_desc = dkv_out
+    stride_dkb, stride_dkn, stride_dkh = stride_dk
+    stride_dvb, stride_dvn, stride_dvh = stride_dv
+    tma_batch, head_kv, group, start_k, key0, len_q, len_k = seq
+    m_min, m_full_min, m_full_max, m_max = bounds
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    STAGES: gl.constexpr = FLAGS.STAGES
+    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
+    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
+    REG_A: gl.constexpr = FLAGS.REG_A
+    # dS^T by WG1 from P^T in 16 bits, but with softcap (its dS needs WG0's tanh)
+    DS_WG1: gl.constexpr = not SOFTCAP
+    # dK / dV out by TMA stores, but on a varlen batch (they would cross into the next sequence)
+    TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -174,16 +210,25 @@ def _dprobs_t(v0, v1, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
 
 
 @gluon.jit
-def _wg_dprobs(k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-               pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-               DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-               tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-               dk_desc, dv_desc,
-               STAGES: gl.constexpr, DS_WG1: gl.constexpr, HEAD_DIM: gl.constexpr,
-               TMA_EPILOGUE: gl.constexpr,
-               REG_A: gl.constexpr):
+def _wg_dprobs(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
-    exchange); dK and dV columns [128, HEAD_DIM)."""
+    exchange); dK and dV columns [128, HEAD_DIM). Arguments as ``_wg_scores``'."""
+    k_bufs, v_bufs, kv_bar = kv
+    q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free = ring
+    pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free = xchg
+    DK, DV, stride_dk, stride_dv, dk_desc, dv_desc = dkv_out
+    stride_dkb, stride_dkn, stride_dkh = stride_dk
+    stride_dvb, stride_dvn, stride_dvh = stride_dv
+    tma_batch, head_kv, group, start_k, key0, len_q, len_k = seq
+    m_min, m_full_min, m_full_max, m_max = bounds
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    STAGES: gl.constexpr = FLAGS.STAGES
+    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
+    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
+    REG_A: gl.constexpr = FLAGS.REG_A
+    DS_WG1: gl.constexpr = not SOFTCAP  # (as _wg_scores')
+    TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
     dtype: gl.constexpr = k_bufs.dtype
     KN: gl.constexpr = k_bufs.shape[1]
     H: gl.constexpr = k_bufs.shape[2]
@@ -276,14 +321,24 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 
 @gluon.jit
 def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc,
-                         DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
-                         qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
-                         HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         REG_A: gl.constexpr):
+                         DK, DV, stride_dk, stride_dv, sizes, CU_Q, CU_K, USED_Q, USED_K, scalars,
+                         FLAGS: gl.constexpr):
+    """``stride_dk`` / ``stride_dv``: (batch, row, head) strides of DK / DV (varlen stores);
+    ``sizes``: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k); ``scalars``:
+    (qk_scale, softmax_scale, softcap_log2, window_left, window_right); ``FLAGS``: a
+    ``Flags``. Tuples of host scalars only: the launch plans swap tensors in top-level
+    argument slots."""
+    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k = sizes
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    STAGES: gl.constexpr = FLAGS.STAGES
+    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
+    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
+    HAS_SEQUSED_Q: gl.constexpr = FLAGS.HAS_SEQUSED_Q
+    HAS_SEQUSED_K: gl.constexpr = FLAGS.HAS_SEQUSED_K
+    LOADER_REGS: gl.constexpr = FLAGS.LOADER_REGS
+    CONSUMER_REGS: gl.constexpr = FLAGS.CONSUMER_REGS
+    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -292,11 +347,6 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     gl.static_assert(BM == 64, "query tiles of 64 rows")
     gl.static_assert(H == 128, "each warpgroup owns 128 head-dim columns")
     gl.static_assert(HEAD_DIM > H and HEAD_DIM <= 2 * H, "head dims 192 / 256 (columns past it are padding)")
-    # dS^T by WG1 from P^T in 16 bits, but with softcap (its dS needs WG0's tanh)
-    DS_WG1: gl.constexpr = not SOFTCAP
-    # dK / dV out by TMA stores, but on a varlen batch (they would cross into the next sequence)
-    TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
-
     (tma_batch, head_kv, group, start_q, len_q, start_k, len_k, stat0, key0,
      m_min, m_full_min, m_full_max, m_max) = _key_tile(
         nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K,
@@ -328,22 +378,17 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     ds_ready = xbar.index(4)
     ds_free = xbar.index(5)
 
+    kv = (k_bufs, v_bufs, kv_bar)
+    ring = (q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free)
+    xchg = (pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free)
+    dkv_out = (DK, DV, stride_dk, stride_dv, dk_desc, dv_desc)
+    seq = (tma_batch, head_kv, group, start_k, key0, len_q, len_k)
+    bounds = (m_min, m_full_min, m_full_max, m_max)
     gl.warp_specialize(
-        [(_wg_scores, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, lse_ring, q_ready, do_ready, free,
-                       pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                       tma_batch, head_kv, group, start_k, key0, len_q, len_k,
-                       m_min, m_full_min, m_full_max, m_max,
-                       qk_scale, softmax_scale, softcap_log2, window_left, window_right, dk_desc, dv_desc,
-                       STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DS_WG1, TMA_EPILOGUE, REG_A)),
-         (_wg_dprobs, (k_bufs, v_bufs, kv_bar, q_ring, do_ring, delta_ring, q_ready, do_ready, free,
-                       pt_buf, dp_buf, ds_buf, pt_ready, pt_free, dp_ready, dp_free, ds_ready, ds_free,
-                       DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                       tma_batch, head_kv, group, start_k, key0, len_k, m_min, m_max, softmax_scale,
-                       dk_desc, dv_desc, STAGES, DS_WG1, HEAD_DIM, TMA_EPILOGUE, REG_A)),
-         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs,
-                        kv_bar, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                        tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max,
+        [(_wg_scores, (kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS)),
+         (_wg_dprobs, (kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS)),
+         (_bwd_loader, ((q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc), kv, ring,
+                        (tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max),
                         2, STAGES, True))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -356,6 +401,7 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
     assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"
     qk_scale, softcap_log2 = params.score_constants()
     tma_epilogue = not pb.varlen  # (the kernel's TMA_EPILOGUE)
+    total_q, total_k, cu_q, cu_k, used_q, used_k = pb.seq_args
     grid = (ceil_div(pb.seqlen_k, BLOCK_N), pb.nheads_kv, pb.batch)
     k_desc = descriptor(k, BLOCK_N, HALF)
     v_desc = descriptor(v, BLOCK_N, HALF)
@@ -364,12 +410,13 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             # unused without the TMA epilogue: K's / V's descriptors stand in
             descriptor(dk, BLOCK_N, HALF) if tma_epilogue else k_desc,
             descriptor(dv, BLOCK_N, HALF) if tma_epilogue else v_desc,
-            dk, dv,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, *pb.seq_args,
-            qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right,
-            cfg.stages, params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            *pb.seq_flags, LOADER_REGS, CONSUMER_REGS, d, cfg.reg_a_for(params.softcap)]
+            dk, dv, dk.stride()[:3], dv.stride()[:3],
+            (pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, total_q, total_k), cu_q, cu_k, used_q, used_k,
+            (qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right),
+            Flags(STAGES=cfg.stages, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+                  SOFTCAP=params.softcap > 0.0, IS_VARLEN=pb.seq_flags[0], HAS_SEQUSED_Q=pb.seq_flags[1],
+                  HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+                  HEAD_DIM=d, REG_A=cfg.reg_a_for(params.softcap))]
     return grid, args
 
 

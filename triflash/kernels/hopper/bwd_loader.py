@@ -41,15 +41,21 @@ def _loader_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_bufs, v_bufs, kv_bar,
-                q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free,
-                tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max,
-                NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SPLIT_D: gl.constexpr = False):
-    """The TMA producer of the dK/dV kernels. K and V: ``NUM_CONSUMERS`` tiles, one per
+def _bwd_loader(descs, kv, ring, tile, NUM_CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+                SPLIT_D: gl.constexpr = False):
+    """The TMA producer of the dK/dV kernels. ``descs``: the TMA descriptors (q, do, k, v,
+    lse, delta); ``kv``: (k_bufs, v_bufs, kv_bar); ``ring``: the Q / dO / lse / Delta rings
+    and their barriers (q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free);
+    ``tile``: the CTA's key block (tma_batch, head_kv, group, q_row0, k_row0, stat0, key0,
+    m_min, m_max). K and V: ``NUM_CONSUMERS`` tiles, one per
     consumer's keys, or with ``SPLIT_D`` (hopper/bwd256.py) the two column halves of one key
     block's tile (the descriptors' boxes are then half the head dim wide, and every Q / dO
     ring slot is two consecutive halves too). Keys and query blocks are relative to the
     sequence, whose rows start at ``k_row0`` / ``q_row0`` / ``stat0`` (``common._key_tile``)."""
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = descs
+    k_bufs, v_bufs, kv_bar = kv
+    q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free = ring
+    tma_batch, head_kv, group, q_row0, k_row0, stat0, key0, m_min, m_max = tile
     KR: gl.constexpr = k_desc.block_type.shape[1]
     BM: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = q_desc.block_type.shape[3]
