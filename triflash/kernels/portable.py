@@ -12,7 +12,7 @@ import triton
 from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
 from .common import ceil_div, launch_sections
 from .configs import BwdConfig, FwdConfig
-from .fwd import flash_fwd_kernel
+from .fwd import FwdMeta, flash_fwd_kernel
 from .problem import AttnParams, CacheAddressing, alloc_fwd_outputs, alloc_output, bshd_strides, lse_strides
 
 
@@ -57,6 +57,8 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     (``alloc_fwd_outputs``)."""
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     cache_args, cache_flags = (cache or _NO_CACHE).kernel_args(k, q)
+    # (KV_BATCH, K_START, PAGE_TABLE) and the kernel's paging (stride_ptb, page_size, num_kv_blocks)
+    cache_ptrs, cache_paging = cache_args[:3], tuple(cache_args[3:])
     varlen = s["varlen"]
     k_varlen = cu_seqlens_k is not None  # else dense keys, also under packed queries (DENSE_K)
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
@@ -67,13 +69,14 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     grid = (ceil_div(p.max_seqlen_q, cfg.block_m) * s["batch"] * nheads,)  # (common.launch_order)
     flash_fwd_kernel[grid](
         q, k, v, out, lse,
-        *bshd_strides(q, varlen), *bshd_strides(k, k_varlen), *bshd_strides(v, k_varlen),
-        *bshd_strides(out, varlen), *lse_strides(lse, varlen),
-        *s["ptrs"], nheads, nheads_kv, *s["sizes"],
-        qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p),
-        *cache_args,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
-        **cache_flags, DENSE_K=varlen and not k_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        (bshd_strides(q, varlen), bshd_strides(k, k_varlen), bshd_strides(v, k_varlen),
+         bshd_strides(out, varlen), lse_strides(lse, varlen)),
+        *s["ptrs"], (nheads, nheads_kv, *s["sizes"]),
+        (qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p)),
+        *cache_ptrs, cache_paging,
+        FwdMeta(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
+                **cache_flags, DENSE_K=varlen and not k_varlen),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
