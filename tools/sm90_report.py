@@ -349,10 +349,14 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
 
 
 def _launch_constexprs(fn, args, kwargs) -> dict:
-    """The launch's arguments by name (JITFunction and InterpretedFunction alike)."""
+    """The launch's arguments by name (JITFunction and InterpretedFunction alike); the fields
+    of a constexpr NamedTuple (a portable kernel's ``META``) by their own names too."""
     names = list(inspect.signature(fn.fn).parameters)
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
+    for value in list(bound.values()):
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            bound.update(value._asdict())
     return bound
 
 

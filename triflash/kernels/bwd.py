@@ -20,22 +20,47 @@ Three kernels:
 GQA: the dK/dV program of a KV head loops over its query heads itself, so dK/dV are summed
 in registers in a fixed order: no extra buffer, no reduction kernel, deterministic.
 """
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from .common import launch_order, m_block_range, n_block_range, seqlen_info, tanh, to_output, visible
 
 
+class BwdMeta(NamedTuple):
+    """The compile-time constants (``META``) of ``bwd_dkdv_kernel`` and ``bwd_dq_kernel``: head
+    dims and their power-of-two tiles, the (BLOCK_M, BLOCK_N) tile, the feature flags, and the
+    dK/dV kernel's modes (ATOMIC_DQ, DO_DK, DO_DV; the dQ kernel leaves them as they are)."""
+    HEADDIM: int
+    HEADDIM_V: int
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_D: int
+    BLOCK_DV: int
+    IS_VARLEN: bool
+    HAS_SEQUSED_Q: bool
+    HAS_SEQUSED_K: bool
+    HAS_LEFT: bool
+    HAS_RIGHT: bool
+    SOFTCAP: bool
+    UPCAST: bool
+    ATOMIC_DQ: bool = False
+    DO_DK: bool = True
+    DO_DV: bool = True
+
+
 @triton.jit
 def bwd_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_om, stride_oh,
-    stride_dob, stride_dom, stride_doh,
-    stride_deltab, stride_deltah, stride_deltam,
-    cu_seqlens_q, seqused_q, nheads, seqlen_q, total_q,
+    O, DO, DELTA, strides, cu_seqlens_q, seqused_q, nheads, seqlen_q, total_q,
     HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
 ):
+    # strides: the (batch, token, head) strides of O, DO and DELTA
+    stride_o, stride_do, stride_delta = strides
+    stride_ob, stride_om, stride_oh = stride_o
+    stride_dob, stride_dom, stride_doh = stride_do
+    stride_deltab, stride_deltah, stride_deltam = stride_delta
     bh, m_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_q, BLOCK_M), 1)
     batch = bh // nheads
     head = bh % nheads
@@ -58,15 +83,23 @@ def bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
-                stride_qm, stride_dom, stride_dqm, stride_lsem,
-                m_lo, m_hi, offs_n, offs_d, offs_dv, len_q, len_k,
-                window_left, window_right, qk_scale, softmax_scale, softcap_log2,
-                HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
-                BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
-                UPCAST: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, row_strides,
+                m_lo, m_hi, offs_n, offs_d, offs_dv, len_q, len_k, scalars,
+                MASK: tl.constexpr, META: tl.constexpr):
+    """Query blocks m_lo .. m_hi - 1 into (dk, dv). ``row_strides``: the token strides
+    (stride_qm, stride_dom, stride_dqm, stride_lsem); ``scalars``: the kernel's."""
+    stride_qm, stride_dom, stride_dqm, stride_lsem = row_strides
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_M: tl.constexpr = META.BLOCK_M
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    SOFTCAP: tl.constexpr = META.SOFTCAP
+    ATOMIC_DQ: tl.constexpr = META.ATOMIC_DQ
+    DO_DK: tl.constexpr = META.DO_DK
+    DO_DV: tl.constexpr = META.DO_DV
+    UPCAST: tl.constexpr = META.UPCAST
     offs_m0 = tl.arange(0, BLOCK_M)
     d_ok = offs_d < HEADDIM
     dv_ok = offs_dv < HEADDIM_V
@@ -113,31 +146,43 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
 
 @triton.jit
 def bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lseb, stride_lseh, stride_lsem,
-    stride_dqb, stride_dqm, stride_dqh,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softmax_scale, softcap_log2, window_left, window_right,
-    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr, UPCAST: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV, strides,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sizes, scalars,
+    META: tl.constexpr,
 ):
+    # strides: the (batch, token, head) strides of Q, K, V, DO, LSE (DELTA's too), DQ_ACCUM,
+    # DK and DV; sizes: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k);
+    # scalars: (qk_scale, softmax_scale, softcap_log2, window_left, window_right);
+    # META: a BwdMeta.
+    stride_q, stride_k, stride_v, stride_do, stride_lse, stride_dq, stride_dk, stride_dv = strides
+    stride_qb, stride_qm, stride_qh = stride_q
+    stride_kb, stride_kn, stride_kh = stride_k
+    stride_vb, stride_vn, stride_vh = stride_v
+    stride_dob, stride_dom, stride_doh = stride_do
+    stride_lseb, stride_lseh, stride_lsem = stride_lse
+    stride_dqb, stride_dqm, stride_dqh = stride_dq
+    stride_dkb, stride_dkn, stride_dkh = stride_dk
+    stride_dvb, stride_dvn, stride_dvh = stride_dv
+    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k = sizes
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_M: tl.constexpr = META.BLOCK_M
+    BLOCK_N: tl.constexpr = META.BLOCK_N
+    BLOCK_D: tl.constexpr = META.BLOCK_D
+    BLOCK_DV: tl.constexpr = META.BLOCK_DV
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    DO_DK: tl.constexpr = META.DO_DK
+    DO_DV: tl.constexpr = META.DO_DV
+    UPCAST: tl.constexpr = META.UPCAST
     bh, n_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_k, BLOCK_N), 1)  # seqlen_k: the longest
     batch = bh // nheads_kv
     head_kv = bh % nheads_kv
     group = nheads // nheads_kv
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+        seqused_q, seqused_k, META.IS_VARLEN, META.HAS_SEQUSED_Q, META.HAS_SEQUSED_K)
     if n_block * BLOCK_N >= len_k:
         return
 
@@ -169,6 +214,7 @@ def bwd_dkdv_kernel(
     m_min, m_full_min, m_full_max, m_max = m_block_range(
         n_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
+    row_strides = (stride_qm, stride_dom, stride_dqm, stride_lsem)
     for g in range(0, group):
         head = head_kv * group + g
         q_base = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
@@ -181,24 +227,12 @@ def bwd_dkdv_kernel(
                     + start_q.to(tl.int64) * stride_lsem)
         delta_base = (DELTA + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
                       + start_q.to(tl.int64) * stride_lsem)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
-                             stride_qm, stride_dom, stride_dqm, stride_lsem,
-                             m_min, m_full_min, offs_n, offs_d, offs_dv, len_q, len_k,
-                             window_left, window_right, qk_scale, softmax_scale, softcap_log2,
-                             HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                             ATOMIC_DQ, DO_DK, DO_DV, UPCAST)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
-                             stride_qm, stride_dom, stride_dqm, stride_lsem,
-                             m_full_min, m_full_max, offs_n, offs_d, offs_dv, len_q, len_k,
-                             window_left, window_right, qk_scale, softmax_scale, softcap_log2,
-                             HEADDIM, HEADDIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                             ATOMIC_DQ, DO_DK, DO_DV, UPCAST)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base,
-                             stride_qm, stride_dom, stride_dqm, stride_lsem,
-                             m_full_max, m_max, offs_n, offs_d, offs_dv, len_q, len_k,
-                             window_left, window_right, qk_scale, softmax_scale, softcap_log2,
-                             HEADDIM, HEADDIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                             ATOMIC_DQ, DO_DK, DO_DV, UPCAST)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, row_strides,
+                             m_min, m_full_min, offs_n, offs_d, offs_dv, len_q, len_k, scalars, True, META)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, row_strides,
+                             m_full_min, m_full_max, offs_n, offs_d, offs_dv, len_q, len_k, scalars, False, META)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, row_strides,
+                             m_full_max, m_max, offs_n, offs_d, offs_dv, len_q, len_k, scalars, True, META)
 
     dk = dk * softmax_scale
     dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
@@ -212,12 +246,21 @@ def bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-              n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k,
-              window_left, window_right, qk_scale, softcap_log2,
-              HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_k, stride_v,
+              n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k, scalars,
+              MASK: tl.constexpr, META: tl.constexpr):
+    """Key blocks n_lo .. n_hi - 1 into dq. ``stride_k`` / ``stride_v``, ``scalars``: the
+    kernel's."""
+    _, stride_kn, _ = stride_k
+    _, stride_vn, _ = stride_v
+    qk_scale, _, softcap_log2, window_left, window_right, _ = scalars
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_N: tl.constexpr = META.BLOCK_N
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    SOFTCAP: tl.constexpr = META.SOFTCAP
+    UPCAST: tl.constexpr = META.UPCAST
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEADDIM
     dv_ok = offs_dv < HEADDIM_V
@@ -257,22 +300,32 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
 # the one that ran correctly for seqlen_q 113, 239, 799.
 @triton.jit(do_not_specialize=["stride_lseb", "stride_lseh", "seqlen_q", "seqlen_k", "total_q", "total_k"])
 def bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lseb, stride_lseh, stride_lsem,
-    stride_dqb, stride_dqm, stride_dqh,
+    Q, K, V, DO, LSE, DELTA, DQ, strides,
+    stride_lseb, stride_lseh, stride_lsem, stride_dq,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softmax_scale, softcap_log2, window_left, window_right, section_heads,
-    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr,
+    heads, seqlen_q, seqlen_k, total_q, total_k, scalars,
+    META: tl.constexpr,
 ):
+    # strides: the (batch, token, head) strides of Q, K, V and DO; then LSE's (DELTA's too;
+    # flat, for do_not_specialize) and DQ's; heads: (nheads, nheads_kv); scalars: (qk_scale,
+    # softmax_scale, softcap_log2, window_left, window_right, section_heads); META: a BwdMeta.
+    stride_q, stride_k, stride_v, stride_do = strides
+    stride_qb, stride_qm, stride_qh = stride_q
+    stride_kb, stride_kn, stride_kh = stride_k
+    stride_vb, stride_vn, stride_vh = stride_v
+    stride_dob, stride_dom, stride_doh = stride_do
+    stride_dqb, stride_dqm, stride_dqh = stride_dq
+    nheads, nheads_kv = heads
+    qk_scale, softmax_scale, softcap_log2, window_left, window_right, section_heads = scalars
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_M: tl.constexpr = META.BLOCK_M
+    BLOCK_N: tl.constexpr = META.BLOCK_N
+    BLOCK_D: tl.constexpr = META.BLOCK_D
+    BLOCK_DV: tl.constexpr = META.BLOCK_DV
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    UPCAST: tl.constexpr = META.UPCAST
     num_m = tl.cdiv(seqlen_q, BLOCK_M)  # seqlen_q: the longest sequence's length
     bh, rank = launch_order(tl.program_id(0), num_m, section_heads)
     m_block = num_m - 1 - rank
@@ -281,7 +334,7 @@ def bwd_dq_kernel(
     head_kv = head // (nheads // nheads_kv)
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K)
+        seqused_q, seqused_k, META.IS_VARLEN, META.HAS_SEQUSED_Q, META.HAS_SEQUSED_K)
     if m_block * BLOCK_M >= len_q:
         return
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -310,18 +363,12 @@ def bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n_min, n_full_min, n_full_max, n_max = n_block_range(
         m_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-                   n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
-                   window_left, window_right, qk_scale, softcap_log2,
-                   HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-                   n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
-                   window_left, window_right, qk_scale, softcap_log2,
-                   HEADDIM, HEADDIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-                   n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
-                   window_left, window_right, qk_scale, softcap_log2,
-                   HEADDIM, HEADDIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_k, stride_v,
+                   n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k, scalars, True, META)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_k, stride_v,
+                   n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k, scalars, False, META)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_k, stride_v,
+                   n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k, scalars, True, META)
     dq = dq * softmax_scale
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
              + row_off * stride_dqm + offs_d[None, :], to_output(dq, DQ.dtype.element_ty, UPCAST),

@@ -13,6 +13,8 @@ Cost per program: 2 * BLOCK_M * visited_keys * (D + DV) FLOPs; reads Q once and 
 visited K/V tile once. Key blocks are split into masked edges and an unmasked middle so the
 common case pays no masking arithmetic.
 """
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -20,15 +22,47 @@ from .common import (cache_batch, launch_order, n_block_range, paged_rows, score
                      softmax_step, to_output, visible)
 
 
+class FwdMeta(NamedTuple):
+    """``flash_fwd_kernel``'s compile-time constants (its ``META``): head dims and their
+    power-of-two tiles, the (BLOCK_M, BLOCK_N) tile, and the feature flags."""
+    HEADDIM: int
+    HEADDIM_V: int
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_D: int
+    BLOCK_DV: int
+    IS_VARLEN: bool
+    HAS_SEQUSED_Q: bool
+    HAS_SEQUSED_K: bool
+    HAS_LEFT: bool
+    HAS_RIGHT: bool
+    SOFTCAP: bool
+    UPCAST: bool
+    HAS_KV_BATCH: bool = False
+    HAS_K_START: bool = False
+    PAGED: bool = False
+    DENSE_K: bool = False
+
+
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-               n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k,
-               window_left, window_right, qk_scale, softcap_log2,
-               page_row, start_k, page_size, num_blocks, stride_kb, stride_vb,
-               HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr):
+def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
+               n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k, scalars, pages,
+               MASK: tl.constexpr, META: tl.constexpr):
+    """Key blocks n_lo .. n_hi - 1 into (acc, m_i, l_i). ``stride_k`` / ``stride_v``,
+    ``scalars``: the kernel's; ``pages``: (page_row, start_k, page_size, num_kv_blocks), where
+    paged K/V rows live (read only under PAGED)."""
+    stride_kb, stride_kn, _ = stride_k
+    stride_vb, stride_vn, _ = stride_v
+    qk_scale, softcap_log2, window_left, window_right, _ = scalars
+    page_row, start_k, page_size, num_blocks = pages
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_N: tl.constexpr = META.BLOCK_N
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    SOFTCAP: tl.constexpr = META.SOFTCAP
+    UPCAST: tl.constexpr = META.UPCAST
+    PAGED: tl.constexpr = META.PAGED
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEADDIM
     dv_ok = offs_dv < HEADDIM_V
@@ -84,23 +118,34 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
 
 @triton.jit
 def flash_fwd_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_lseb, stride_lseh, stride_lsem,
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softcap_log2, window_left, window_right, section_heads,
-    KV_BATCH, K_START, PAGE_TABLE, stride_ptb, page_size, num_kv_blocks,
-    HEADDIM: tl.constexpr, HEADDIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False, HAS_K_START: tl.constexpr = False,
-    PAGED: tl.constexpr = False, DENSE_K: tl.constexpr = False,
+    Q, K, V, O, LSE, strides,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sizes, scalars,
+    KV_BATCH, K_START, PAGE_TABLE, paging,
+    META: tl.constexpr,
 ):
+    # strides: the (batch, token, head) strides of Q, K, V, O and LSE (problem.bshd_strides,
+    # lse_strides); sizes: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k);
+    # scalars: (qk_scale, softcap_log2, window_left, window_right, section_heads);
+    # paging: (stride_ptb, page_size, num_kv_blocks); META: an FwdMeta.
+    stride_q, stride_k, stride_v, stride_o, stride_lse = strides
+    stride_qb, stride_qm, stride_qh = stride_q
+    stride_kb, stride_kn, stride_kh = stride_k
+    stride_vb, stride_vn, stride_vh = stride_v
+    stride_ob, stride_om, stride_oh = stride_o
+    stride_lseb, stride_lseh, stride_lsem = stride_lse
+    nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k = sizes
+    qk_scale, softcap_log2, window_left, window_right, section_heads = scalars
+    stride_ptb, page_size, num_kv_blocks = paging
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_M: tl.constexpr = META.BLOCK_M
+    BLOCK_N: tl.constexpr = META.BLOCK_N
+    BLOCK_D: tl.constexpr = META.BLOCK_D
+    BLOCK_DV: tl.constexpr = META.BLOCK_DV
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    UPCAST: tl.constexpr = META.UPCAST
+    PAGED: tl.constexpr = META.PAGED
     # KV-cache addressing (flash_attn_with_kvcache): KV_BATCH[b] the cache batch of sequence
     # b (cache_batch_idx), K_START[b] its first key (cache_leftpad), PAGED: K and V are
     # (num_kv_blocks, page_size, heads, dim) blocks found through PAGE_TABLE (batch, pages);
@@ -114,9 +159,9 @@ def flash_fwd_kernel(
     head_kv = head // (nheads // nheads_kv)
     start_q, len_q, start_k, len_k = seqlen_info(
         batch, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-        seqused_q, seqused_k, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, DENSE_K)
-    kv_batch = cache_batch(KV_BATCH, batch, num_kv_blocks, HAS_KV_BATCH)
-    if HAS_K_START:  # keys start_k .. start_k + len_k - 1 of the cache (left padding skipped)
+        seqused_q, seqused_k, META.IS_VARLEN, META.HAS_SEQUSED_Q, META.HAS_SEQUSED_K, META.DENSE_K)
+    kv_batch = cache_batch(KV_BATCH, batch, num_kv_blocks, META.HAS_KV_BATCH)
+    if META.HAS_K_START:  # keys start_k .. start_k + len_k - 1 of the cache (left padding skipped)
         skip = tl.minimum(tl.maximum(tl.load(K_START + batch), 0), len_k)
         start_k += skip
         len_k -= skip
@@ -149,24 +194,16 @@ def flash_fwd_kernel(
     n_min, n_full_min, n_full_max, n_max = n_block_range(
         m_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # masked left edge (sliding window), unmasked middle, masked right edge (causal/tail)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+    pages = (page_row, start_k, page_size, num_kv_blocks)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
                                n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
-                               window_left, window_right, qk_scale, softcap_log2,
-                               page_row, start_k, page_size, num_kv_blocks, stride_kb, stride_vb,
-                               HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                               scalars, pages, True, META)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
                                n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
-                               window_left, window_right, qk_scale, softcap_log2,
-                               page_row, start_k, page_size, num_kv_blocks, stride_kb, stride_vb,
-                               HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                               scalars, pages, False, META)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
                                n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
-                               window_left, window_right, qk_scale, softcap_log2,
-                               page_row, start_k, page_size, num_kv_blocks, stride_kb, stride_vb,
-                               HEADDIM, HEADDIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST, PAGED)
+                               scalars, pages, True, META)
 
     # A row that saw no key: output 0, lse = -inf (never NaN).
     seen = l_i > 0.0

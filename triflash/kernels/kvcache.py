@@ -13,10 +13,11 @@ from .common import cache_batch, launch_order, paged_rows
 
 
 @triton.jit
-def _append_rows(NEW, CACHE, batch, head, rows, cache_rows, ok_rows, stride_nb, stride_nn, stride_nh,
-                 stride_ch, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _append_rows(NEW, CACHE, batch, head, rows, cache_rows, ok_rows, stride_new, stride_ch,
+                 DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Copy rows ``rows`` of sequence ``batch``'s new tokens to the cache offsets
-    ``cache_rows`` (int64, head excluded)."""
+    ``cache_rows`` (int64, head excluded). ``stride_new``: NEW's (batch, token, head) strides."""
+    stride_nb, stride_nn, stride_nh = stride_new
     cols = tl.arange(0, BLOCK_D)
     ok = ok_rows[:, None] & (cols < DIM)[None, :]
     x = tl.load(NEW + batch.to(tl.int64) * stride_nb + head.to(tl.int64) * stride_nh
@@ -26,12 +27,16 @@ def _append_rows(NEW, CACHE, batch, head, rows, cache_rows, ok_rows, stride_nb, 
 
 @triton.jit
 def append_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, STARTS, KV_BATCH, PAGE_TABLE, CU_NEW, stride_ptb,
-                     seqlen_new, capacity, page_size, num_blocks, nheads_kv,
-                     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
-                     stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
+                     sizes, strides,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_KV_BATCH: tl.constexpr, PAGED: tl.constexpr, VARLEN_NEW: tl.constexpr):
+    # sizes: (seqlen_new, capacity, page_size, num_blocks, nheads_kv); strides: the (batch,
+    # token, head) strides of K_NEW, V_NEW, K_CACHE and V_CACHE
+    seqlen_new, capacity, page_size, num_blocks, nheads_kv = sizes
+    stride_kn, stride_vn, stride_kc, stride_vc = strides
+    stride_kcb, stride_kcn, stride_kch = stride_kc
+    stride_vcb, stride_vcn, stride_vch = stride_vc
     bh, n_block = launch_order(tl.program_id(0), tl.cdiv(seqlen_new, BLOCK_N), 1)
     batch = bh // nheads_kv
     head = bh % nheads_kv
@@ -55,9 +60,9 @@ def append_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, STARTS, KV_BATCH, PAGE_TABL
         block = cache_batch(KV_BATCH, batch, num_blocks, HAS_KV_BATCH).to(tl.int64)
         row = pos.to(tl.int64)
     _append_rows(K_NEW, K_CACHE, src_batch, head, src_rows, block * stride_kcb + row * stride_kcn, ok_rows,
-                 stride_knb, stride_knn, stride_knh, stride_kch, D, BLOCK_D)
+                 stride_kn, stride_kch, D, BLOCK_D)
     _append_rows(V_NEW, V_CACHE, src_batch, head, src_rows, block * stride_vcb + row * stride_vcn, ok_rows,
-                 stride_vnb, stride_vnn, stride_vnh, stride_vch, DV, BLOCK_DV)
+                 stride_vn, stride_vch, DV, BLOCK_DV)
 
 
 def append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table=None, cu_seqlens_new=None):
@@ -90,8 +95,8 @@ def append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table
     append_kv_kernel[grid](
         k_new, v_new, k_cache, v_cache, starts, batch_idx if batch_idx is not None else dummy,
         page_table if paged else dummy, cu_seqlens_new if varlen else dummy, page_table.stride(0) if paged else 0,
-        seqlen_new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], nheads_kv,
-        knb, knn, knh, vnb, vnn, vnh, *k_cache.stride()[:3], *v_cache.stride()[:3],
+        (seqlen_new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], nheads_kv),
+        ((knb, knn, knh), (vnb, vnn, vnh), tuple(k_cache.stride()[:3]), tuple(v_cache.stride()[:3])),
         D=d, DV=dv, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_N=block_n,
         HAS_KV_BATCH=batch_idx is not None, PAGED=paged, VARLEN_NEW=varlen, num_warps=4)

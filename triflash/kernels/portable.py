@@ -9,10 +9,10 @@ from typing import Optional
 import torch
 import triton
 
-from .bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
+from .bwd import BwdMeta, bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
 from .common import ceil_div, launch_sections
 from .configs import BwdConfig, FwdConfig
-from .fwd import flash_fwd_kernel
+from .fwd import FwdMeta, flash_fwd_kernel
 from .problem import AttnParams, CacheAddressing, alloc_fwd_outputs, alloc_output, bshd_strides, lse_strides
 
 
@@ -57,6 +57,8 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     (``alloc_fwd_outputs``)."""
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     cache_args, cache_flags = (cache or _NO_CACHE).kernel_args(k, q)
+    # (KV_BATCH, K_START, PAGE_TABLE) and the kernel's paging (stride_ptb, page_size, num_kv_blocks)
+    cache_ptrs, cache_paging = cache_args[:3], tuple(cache_args[3:])
     varlen = s["varlen"]
     k_varlen = cu_seqlens_k is not None  # else dense keys, also under packed queries (DENSE_K)
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
@@ -67,13 +69,14 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     grid = (ceil_div(p.max_seqlen_q, cfg.block_m) * s["batch"] * nheads,)  # (common.launch_order)
     flash_fwd_kernel[grid](
         q, k, v, out, lse,
-        *bshd_strides(q, varlen), *bshd_strides(k, k_varlen), *bshd_strides(v, k_varlen),
-        *bshd_strides(out, varlen), *lse_strides(lse, varlen),
-        *s["ptrs"], nheads, nheads_kv, *s["sizes"],
-        qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p),
-        *cache_args,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
-        **cache_flags, DENSE_K=varlen and not k_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        (bshd_strides(q, varlen), bshd_strides(k, k_varlen), bshd_strides(v, k_varlen),
+         bshd_strides(out, varlen), lse_strides(lse, varlen)),
+        *s["ptrs"], (nheads, nheads_kv, *s["sizes"]),
+        (qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p)),
+        *cache_ptrs, cache_paging,
+        FwdMeta(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
+                **cache_flags, DENSE_K=varlen and not k_varlen),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -89,12 +92,13 @@ def launch_dq(q, k, v, dout, lse, delta, dq, s, p: AttnParams, cfg: BwdConfig, f
     qk_scale, softcap_log2 = p.score_constants()
     bwd_dq_kernel[(ceil_div(p.max_seqlen_q, cfg.dq_block_m) * s["batch"] * nheads,)](
         q, k, v, dout, lse, delta, dq,
-        *bshd_strides(q, varlen), *bshd_strides(k, varlen), *bshd_strides(v, varlen),
-        *bshd_strides(dout, varlen), *lse_strides(lse, varlen), *bshd_strides(dq, varlen),
-        *s["ptrs"], nheads, nheads_kv, *s["sizes"],
-        qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
-        _sections(q, k, v, s, p),
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **s["flags"], **flags,
+        (bshd_strides(q, varlen), bshd_strides(k, varlen), bshd_strides(v, varlen),
+         bshd_strides(dout, varlen)),
+        *lse_strides(lse, varlen), bshd_strides(dq, varlen),
+        *s["ptrs"], (nheads, nheads_kv), *s["sizes"],
+        (qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
+         _sections(q, k, v, s, p)),
+        BwdMeta(BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **s["flags"], **flags),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
 
@@ -125,7 +129,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     delta = alloc_output(lse.shape, torch.float32, lse.device)
     pre_block = 64
     bwd_preprocess_kernel[(ceil_div(p.max_seqlen_q, pre_block) * s["batch"] * nheads,)](
-        out, dout, delta, *bshd_strides(out, varlen), *bshd_strides(dout, varlen), *lse_view,
+        out, dout, delta, (bshd_strides(out, varlen), bshd_strides(dout, varlen), lse_view),
         s["ptrs"][0], s["ptrs"][2], nheads, p.max_seqlen_q, s["sizes"][2],
         HEADDIM_V=flags["HEADDIM_V"], BLOCK_M=pre_block, BLOCK_DV=flags["BLOCK_DV"],
         IS_VARLEN=varlen, HAS_SEQUSED_Q=s["flags"]["HAS_SEQUSED_Q"],
@@ -138,13 +142,13 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
     for do_dk, do_dv in passes:
         bwd_dkdv_kernel[(ceil_div(p.max_seqlen_k, cfg.dkdv_block_n) * s["batch"] * nheads_kv,)](
             q, k, v, dout, lse, delta, dq_accum, dk, dv,
-            *bshd_strides(q, varlen), *bshd_strides(k, varlen), *bshd_strides(v, varlen),
-            *bshd_strides(dout, varlen), *lse_view, *bshd_strides(dq_accum, varlen),
-            *bshd_strides(dk, varlen), *bshd_strides(dv, varlen),
-            *s["ptrs"], nheads, nheads_kv, *s["sizes"],
-            qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
-            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **s["flags"], **flags,
-            ATOMIC_DQ=atomic_dq and do_dk, DO_DK=do_dk, DO_DV=do_dv,
+            (bshd_strides(q, varlen), bshd_strides(k, varlen), bshd_strides(v, varlen),
+             bshd_strides(dout, varlen), lse_view, bshd_strides(dq_accum, varlen),
+             bshd_strides(dk, varlen), bshd_strides(dv, varlen)),
+            *s["ptrs"], (nheads, nheads_kv, *s["sizes"]),
+            (qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right),
+            BwdMeta(BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **s["flags"], **flags,
+                    ATOMIC_DQ=atomic_dq and do_dk, DO_DK=do_dk, DO_DV=do_dv),
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
     if atomic_dq:
