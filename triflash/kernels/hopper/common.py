@@ -329,7 +329,8 @@ def _store_rows(buf, PTR, stride_row, nrows, NCOLS: gl.constexpr):
 # specializes on, cheaper to build than the binding: ints, floats, bools and None by value,
 # tensors by dtype and 16-byte alignment, TMA descriptors by dtype and box (the box fixes
 # the layout: ``descriptor`` / ``stat_descriptor`` derive it from the box and dtype
-# alone). A repeat goes straight to the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1
+# alone), tuples (a kernel's strides, sizes or constexpr NamedTuple) by their type and their
+# elements' keys. A repeat goes straight to the compiled kernel's launcher. TRIFLASH_VERIFY_LAUNCHES=1
 # (the GPU test suite) has Triton specialize each repeat as well and checks that it picks the
 # same compiled kernel.
 
@@ -350,6 +351,11 @@ def _launch_key(args):
             key.append((a.base.dtype, *a.block_shape))
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, (a.data_ptr() & 15) == 0))
+        elif isinstance(a, tuple):  # (Triton specializes each element as a flat argument)
+            inner = _launch_key(a)
+            if inner is None:
+                return None
+            key.append((c, inner))
         else:
             return None
     return tuple(key)
