@@ -312,10 +312,11 @@ def _fwd_step(g, it, n_max, q_buf, ring, state, rows, cols0, len_q, len_k, scala
     ``state`` (o_acc, m_i, l_i, p_prev, alpha_prev) in, the state with P_it pending out.
     ``q_buf``: Q as the A operand, its shared tile or registers (``Q_REGS``). ``ring``: the
     K / V rings and their barriers (``hopper_fwd_kernel``); ``scalars``, ``window``: the
-    kernel's (splatted into ``_softmax_update``); ``META``: its ``FwdMeta``. ``RESCALE_EARLY``: O is rescaled by the previous block's
-    ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
-    order at head dims above 128), instead of after that wgmma retires. The block's alpha
-    is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
+    kernel's (splatted into ``_softmax_update``); ``META``: its ``FwdMeta``.
+    ``RESCALE_EARLY``: O is rescaled by the previous block's ``alpha_prev`` while S_it's
+    wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's order at head dims above
+    128), instead of after that wgmma retires. The block's alpha is returned too (the next
+    step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
     k_ring, v_ring, k_ready, v_ready, k_free, v_free = ring
     o_acc, m_i, l_i, p_prev, alpha_prev = state
     BLOCK_N: gl.constexpr = META.BLOCK_N
