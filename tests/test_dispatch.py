@@ -54,14 +54,15 @@ def test_padded_head_dims_take_boxes_of_the_tile_width(d, width):
     assert [x.block_shape[-1] for x in descs] == [width] * 4
     assert [x.shape[-1] for x in descs] == [d] * 4  # the tensor's head dim: TMA fills / clips
     assert [x.base for x in descs] == [q, k, v, out]
-    assert kernel_arg(fwd.hopper_fwd_kernel, args, "HEAD_DIM") == d  # a varlen batch's masked O stores stop there
+    # a varlen batch's masked O stores stop there
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "META").HEAD_DIM == d
     if d == width:  # an unpadded head dim: the same descriptors as before the padding
         assert descs[0].layout is descriptor(q, 64).layout
     cu = torch.tensor([0, 300, 600], dtype=torch.int32)
     _, args = fwd.kernel_args(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), out.flatten(0, 1),
                               torch.empty(4, 600), p, configs.SM90_HOPPER_FWD[width], cu, cu)
     assert [x.block_shape[-1] for x in args[:4]] == [width] * 4
-    assert kernel_arg(fwd.hopper_fwd_kernel, args, "HEAD_DIM") == d
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "META").HEAD_DIM == d
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
@@ -80,7 +81,7 @@ def test_forward_rescales_early_where_its_tile_says(d):
         p = AttnParams(d ** -0.5, left, right, softcap, 300, 300)
         _, args = fwd.kernel_args(q, k, v, out, lse, p, cfg, num_sms=8)
         expected = kernel_head_dim(d) in (64, 128) or (kernel_head_dim(d) == 256 and name == "plain")
-        assert kernel_arg(fwd.hopper_fwd_kernel, args, "RESCALE_EARLY") == expected, name
+        assert kernel_arg(fwd.hopper_fwd_kernel, args, "META").RESCALE_EARLY == expected, name
 
 
 @pytest.mark.parametrize("d,width", [(96, 128), (192, 256), (128, 128), (256, 256)])

@@ -29,6 +29,23 @@ def test_launch_key_separates_what_triton_specializes_on():
     assert key(["a string"]) is None and key([[1, 2]]) is None            # cannot key: no cache
 
 
+def test_launch_key_of_tuple_arguments():
+    """Tuples of host scalars (a kernel's strides) and constexpr NamedTuples (``hopper.fwd``'s
+    ``FwdMeta``) key element by element, as Triton specializes them."""
+    from typing import NamedTuple
+
+    class Meta(NamedTuple):
+        A: int
+        B: bool
+    key = hc._launch_key
+    assert key([(3, 0.5), Meta(1, True)]) == key([(3, 0.5), Meta(1, True)])
+    assert key([(1, 16)]) != key([(16, 1)]) != key([(16, 17)])            # values, in order
+    assert key([(1, 2)]) != key([1, 2]) and key([((1,), 2)]) != key([(1, 2)])  # grouping
+    assert key([(1, True)]) != key([(1, 1)]) and key([Meta(1, True)]) != key([(1, True)])
+    assert key([Meta(1, True)]) != key([Meta(1, False)])
+    assert key([(1, "a string")]) is None                                 # cannot key: no cache
+
+
 class _Compiled:
     def __init__(self):
         self.function, self.packed_metadata, self.calls = "fn", "meta", []

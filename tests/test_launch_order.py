@@ -136,7 +136,7 @@ def test_forward_walks():
                                         (base, -1, 5, False)):
         p = AttnParams(0.1, -1, right, 0.0, 300, 200)
         g, args = fwd.kernel_args(q, k, k, out, lse, p, cfg, num_sms=5)
-        assert g == (grid,) and kernel_arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is scheduled
+        assert g == (grid,) and kernel_arg(fwd.hopper_fwd_kernel, args, "META").SCHEDULED is scheduled
         sched = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
         assert len(sched) == int(scheduled)
         if scheduled:
@@ -174,8 +174,8 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(fwd, "schedule_table", lambda *a, **kw: None)
     g, args = fwd.kernel_args(q, k, k, torch.empty_like(q), torch.empty(2, 4, 300), p, cfg, num_sms=5)
     assert g == (2 * 4 * -(-300 // (64 * cfg.num_consumers)),)
-    assert kernel_arg(fwd.hopper_fwd_kernel, args, "SCHEDULED") is False
-    assert kernel_arg(fwd.hopper_fwd_kernel, args, "Q_SLOTS") == 1
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "META").SCHEDULED is False
+    assert kernel_arg(fwd.hopper_fwd_kernel, args, "META").Q_SLOTS == 1
     assert not [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32]
 
 

@@ -118,11 +118,10 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
         split, ws = (torch.zeros(16, dtype=torch.int32), 132, 1, 1), torch.empty(1)
     _, args = H.kernel_args(q, k, v, torch.empty_like(q), _lse(q, cu), p, cfg, cu, cu, None, used,
                             split=split, ws=ws, wsl=ws)
+    meta = kernel_arg(H.hopper_fwd_kernel, args, "META")  # (an H.FwdMeta)
     row = dict(kernel="hopper_fwd", headdim=headdim, dtype=dtype, feature=feature,
                block_n=cfg.block_n, stages=cfg.stages, num_consumers=cfg.num_consumers,
-               q_slots=kernel_arg(H.hopper_fwd_kernel, args, "Q_SLOTS"),
-               scheduled=kernel_arg(H.hopper_fwd_kernel, args, "SCHEDULED"),
-               pieces=kernel_arg(H.hopper_fwd_kernel, args, "PIECES"))
+               q_slots=meta.Q_SLOTS, scheduled=meta.SCHEDULED, pieces=meta.PIECES)
     if varlen:
         row["varlen"] = True
     if kvcache:

@@ -42,6 +42,8 @@ into the next sequence). Head dims 96 and 192 run as 128 and 256 (``kernel_head_
 varlen batch's masked O stores stop at ``HEAD_DIM``). Not covered (dispatch falls back to
 the portable kernels): other head dims, headdim_v != headdim.
 """
+from typing import NamedTuple
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -303,21 +305,28 @@ def _skip_step(g, k_ready, v_ready, k_free, v_free, STAGES: gl.constexpr, CID: g
 
 
 @gluon.jit
-def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
-              o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-              qk_scale, softcap_log2, window_left, window_right,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              alpha_prev=None, RESCALE_EARLY: gl.constexpr = False,
-              TREE_MAX: gl.constexpr = False):
+def _fwd_step(g, it, n_max, q_buf, ring, state, rows, cols0, len_q, len_k, scalars, window,
+              MASK: gl.constexpr, CID: gl.constexpr, META: gl.constexpr):
     """Key block number ``it`` of the tile (counted from the last; ``g`` counts the ring
     slots over the whole CTA): S_it = Q K_it^T overlapped with O += P_{it-1} V_{it-1};
-    returns the state with P_it pending. ``q_buf``: Q as the A operand, its shared tile or
-    registers (``Q_REGS``). ``RESCALE_EARLY``: O is rescaled by the previous block's
-    ``alpha_prev`` while S_it's wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's
-    order at head dims above 128), instead of after that wgmma retires. The block's alpha
-    is returned too (the next step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
+    ``state`` (o_acc, m_i, l_i, p_prev, alpha_prev) in, the state with P_it pending out.
+    ``q_buf``: Q as the A operand, its shared tile or registers (``Q_REGS``). ``ring``: the
+    K / V rings and their barriers (``hopper_fwd_kernel``); ``scalars``, ``window``: the
+    kernel's (splatted into ``_softmax_update``); ``META``: its ``FwdMeta``.
+    ``RESCALE_EARLY``: O is rescaled by the previous block's ``alpha_prev`` while S_it's
+    wgmma runs, just before P_{it-1} V_{it-1} is issued (FA3's order at head dims above
+    128), instead of after that wgmma retires. The block's alpha is returned too (the next
+    step's ``alpha_prev`` under ``RESCALE_EARLY``)."""
+    k_ring, v_ring, k_ready, v_ready, k_free, v_free = ring
+    o_acc, m_i, l_i, p_prev, alpha_prev = state
+    BLOCK_N: gl.constexpr = META.BLOCK_N
+    STAGES: gl.constexpr = META.STAGES
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    SOFTCAP: gl.constexpr = META.SOFTCAP
+    RESCALE_EARLY: gl.constexpr = META.RESCALE_EARLY
+    TREE_MAX: gl.constexpr = META.TREE_MAX
     BM: gl.constexpr = q_buf.shape[0]
     DV: gl.constexpr = v_ring.shape[2]
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, q_buf.dtype)
@@ -337,8 +346,7 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_free.index(stage))
     cols = (n_max - 1 - it) * BLOCK_N + cols0
-    p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k,
-                                         qk_scale, softcap_log2, window_left, window_right,
+    p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, cols, len_q, len_k, *scalars, *window,
                                          MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX)
     o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(v_free.index(prev))
@@ -349,17 +357,33 @@ def _fwd_step(g, it, n_max, q_buf, k_ring, v_ring, k_ready, v_ready, k_free, v_f
 
 
 @gluon.jit
-def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free,
-                  v_free, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
-                  tiles, SCHED, WS, WSL,
-                  qk_scale, softcap_log2, window_left, window_right,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                  IS_VARLEN: gl.constexpr,
-                  HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                  SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                  OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-                  TREE_MAX: gl.constexpr, PIECES: gl.constexpr):
+def _fwd_consumer(CID: gl.constexpr, smem, o_desc, O, stride_o, LSE, stride_lse, tiles, SCHED, WS, WSL,
+                  scalars, window, META: gl.constexpr):
+    """Consumer warpgroup ``CID``: its 64 rows of each tile of the CTA's walk. ``smem``: the
+    Q tiles, K / V rings and their barriers (``hopper_fwd_kernel`` builds it); the others:
+    the kernel's arguments (``tiles``: its ``Tiles``). The tuples of host scalars are
+    splatted into the calls that name their elements, never unpacked into variables: an
+    assignment would turn an element Triton specialized to a constant (a stride or size
+    equal to 1) into a value."""
+    q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free, v_free = smem
+    ring = (k_ring, v_ring, k_ready, v_ready, k_free, v_free)
+    BLOCK_N: gl.constexpr = META.BLOCK_N
+    STAGES: gl.constexpr = META.STAGES
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    SOFTCAP: gl.constexpr = META.SOFTCAP
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    HAS_SEQUSED_Q: gl.constexpr = META.HAS_SEQUSED_Q
+    HAS_SEQUSED_K: gl.constexpr = META.HAS_SEQUSED_K
+    Q_SLOTS: gl.constexpr = META.Q_SLOTS
+    SCHEDULED: gl.constexpr = META.SCHEDULED
+    HEAD_DIM: gl.constexpr = META.HEAD_DIM
+    Q_REGS: gl.constexpr = META.Q_REGS
+    OWN_BLOCKS: gl.constexpr = META.OWN_BLOCKS
+    RESCALE_EARLY: gl.constexpr = META.RESCALE_EARLY
+    TREE_MAX: gl.constexpr = META.TREE_MAX
+    PIECES: gl.constexpr = META.PIECES
     BM: gl.constexpr = q_bufs.shape[1]
     DV: gl.constexpr = v_ring.shape[2]
     KW: gl.constexpr = 32 // q_bufs.dtype.primitive_bitwidth
@@ -377,7 +401,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
          n_min, n_full_min, n_full_max, n_max) = tiles.query_tile(
-            tile, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+            tile, *window, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
             HAS_SEQUSED_Q, HAS_SEQUSED_K)
         if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
             n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
@@ -396,7 +420,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
         # 64 rows sees; it only waits for and releases their ring slots.
         if OWN_BLOCKS:
             lead, end, c_full_min, c_full_max = _own_blocks(
-                row_start, len_q, len_k, window_left, window_right, n_min, n_full_min, n_full_max, n_max,
+                row_start, len_q, len_k, *window, n_min, n_full_min, n_full_max, n_max,
                 BM, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for it in range(0, lead):
                 _skip_step(kv_base + it, k_ready, v_ready, k_free, v_free, STAGES, CID, NUM_CONSUMERS)
@@ -420,8 +444,7 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_free.index(stage))
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, rows, (n_max - 1 - lead) * BLOCK_N + cols0,
-                                                 len_q, len_k, qk_scale, softcap_log2,
-                                                 window_left, window_right,
+                                                 len_q, len_k, *scalars, *window,
                                                  True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TREE_MAX)
             p_prev = gl.convert_layout(to_16bit(p, q_buf.dtype), p_layout)
             # Steps after it: masked right edge, unmasked middle, masked left edge (of its
@@ -435,11 +458,8 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             for seg in gl.static_range(3):
                 for it in range(bounds[seg], bounds[seg + 1]):
                     o_acc, m_i, l_i, p_prev, alpha = _fwd_step(
-                        kv_base + it, it, n_max, q_a, k_ring, v_ring, k_ready, v_ready, k_free,
-                        v_free, o_acc, m_i, l_i, p_prev, rows, cols0, len_q, len_k,
-                        qk_scale, softcap_log2, window_left, window_right,
-                        BLOCK_N, STAGES, seg != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, CID, NUM_CONSUMERS,
-                        alpha, RESCALE_EARLY, TREE_MAX)
+                        kv_base + it, it, n_max, q_a, ring, (o_acc, m_i, l_i, p_prev, alpha), rows, cols0,
+                        len_q, len_k, scalars, window, seg != 1, CID, META)
             # Epilogue: the PV of its last key block.
             if RESCALE_EARLY:
                 o_acc = _rescale(o_acc, alpha, o_layout)
@@ -471,43 +491,48 @@ def _fwd_consumer(CID: gl.constexpr, q_bufs, q_ready, q_free, k_ring, v_ring, k_
             if piece >= 0:  # a piece: its partial, for split_combine_kernel
                 _store_piece(out, lse, WS, WSL, piece, CID * BM, BM * NUM_CONSUMERS, o_layout, row_layout)
             else:
-                _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh,
-                           stride_lsem, tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN,
-                           HEAD_DIM)
+                _store_out(out, lse, q_buf, o_desc, O, stride_o, LSE, *stride_lse, tma_batch, batch, head,
+                           start_q, row_start, rows, len_q, IS_VARLEN, HEAD_DIM)
         else:  # (PIECES is a constexpr: a kernel without pieces never traces _store_piece)
-            _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh,
-                       stride_lsem, tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN, HEAD_DIM)
+            _store_out(out, lse, q_buf, o_desc, O, stride_o, LSE, *stride_lse, tma_batch, batch, head,
+                       start_q, row_start, rows, len_q, IS_VARLEN, HEAD_DIM)
         mbarrier.arrive(q_free.index(slot))
         local += 1
 
 
 @gluon.jit
-def _store_out(out, lse, q_buf, o_desc, O, stride_om, stride_oh, LSE, stride_lseb, stride_lseh, stride_lsem,
+def _store_out(out, lse, q_buf, o_desc, O, stride_o, LSE, stride_lseb, stride_lseh, stride_lsem,
                tma_batch, batch, head, start_q, row_start, rows, len_q, IS_VARLEN: gl.constexpr,
                HEAD_DIM: gl.constexpr):
-    """A consumer's 64 rows of O and their log-sum-exps to the outputs."""
+    """A consumer's 64 rows of O and their log-sum-exps to the outputs (``stride_o``: O's
+    (row, head) strides)."""
     gl.store(LSE + batch.to(gl.int64) * stride_lseb + head.to(gl.int64) * stride_lseh
              + (start_q + rows).to(gl.int64) * stride_lsem, lse, mask=rows < len_q)
     # O goes out through this consumer's Q tile: every wgmma reading it has retired.
     q_buf.store(out.to(q_buf.dtype))
-    _store_query_tile(q_buf, o_desc, O, stride_om, stride_oh, tma_batch, head, start_q, row_start,
+    _store_query_tile(q_buf, o_desc, O, *stride_o, tma_batch, head, start_q, row_start,
                       len_q, IS_VARLEN, HEAD_DIM)
 
 
 @gluon.jit
-def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
-                      LSE, stride_lseb, stride_lseh, stride_lsem,
-                      nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks, section_heads,
-                      total_q, total_k, CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL,
-                      qk_scale, softcap_log2, window_left, window_right,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      IS_VARLEN: gl.constexpr,
-                      HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_SLOTS: gl.constexpr,
-                      SCHEDULED: gl.constexpr, HEAD_DIM: gl.constexpr, Q_REGS: gl.constexpr,
-                      OWN_BLOCKS: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-                      TREE_MAX: gl.constexpr, PIECES: gl.constexpr):
+def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_o, LSE, stride_lse, sizes,
+                      CU_Q, CU_K, USED_Q, USED_K, SCHED, WS, WSL, scalars, window, META: gl.constexpr):
+    """The forward (see the module's docstring). Tensors and descriptors are arguments of
+    their own (launch plans swap them per call: ``common.LaunchPlan``); host scalars travel
+    as tuples: ``stride_o`` O's (row, head) strides, ``stride_lse`` LSE's (batch, head, row);
+    ``sizes`` (nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks,
+    section_heads, total_q, total_k); ``scalars`` (qk_scale, softcap_log2); ``window``
+    (window_left, window_right). ``META``: the compile-time constants, a ``FwdMeta``.
+    (The tuples go to the partitions whole and are splatted into the calls that name their
+    elements: unpacked into variables, an element Triton specialized to a constant, a size
+    or stride equal to 1, would become a value, and the partitions would capture it.)"""
+    BLOCK_N: gl.constexpr = META.BLOCK_N
+    STAGES: gl.constexpr = META.STAGES
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    Q_SLOTS: gl.constexpr = META.Q_SLOTS
+    HEAD_DIM: gl.constexpr = META.HEAD_DIM
+    LOADER_REGS: gl.constexpr = META.LOADER_REGS
+    CONSUMER_REGS: gl.constexpr = META.CONSUMER_REGS
     BM: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
     DV: gl.constexpr = v_desc.block_type.shape[3]
@@ -546,69 +571,62 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, stride_om, stride_oh,
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0))
 
-    tiles = Tiles(num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
-                  CU_Q, CU_K, USED_Q, USED_K)
-    # (Gluon takes each partition's constexpr arguments spelled out: a shared tuple would turn
-    # them into values.) Three consumers: 192 query rows per tile (HopperFwdConfig).
+    tiles = Tiles(*sizes, CU_Q, CU_K, USED_Q, USED_K)
+    # The shared memory the partitions share: Q tiles, K / V rings, their barriers (values,
+    # no constants: a tuple variable is safe).
+    smem = (q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free, v_free)
+    # (Gluon takes each partition's constexpr arguments spelled out: a tuple assigned to a
+    # variable would turn them into values; ``META`` is one constexpr.) Three consumers: 192
+    # query rows per tile (HopperFwdConfig).
     if NUM_CONSUMERS == 3:
         gl.warp_specialize(
-            [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, o_desc, O, stride_om, stride_oh,
-                          LSE, stride_lseb, stride_lseh, stride_lsem,
-                          tiles, SCHED, WS, WSL,
-                          qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
-             (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, o_desc, O, stride_om, stride_oh,
-                          LSE, stride_lseb, stride_lseh, stride_lsem,
-                          tiles, SCHED, WS, WSL,
-                          qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
-             (_fwd_consumer, (2, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, o_desc, O, stride_om, stride_oh,
-                          LSE, stride_lseb, stride_lseh, stride_lsem,
-                          tiles, SCHED, WS, WSL,
-                          qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
-             (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
-                        k_ready, v_ready, k_free, v_free,
-                        tiles, SCHED, window_left, window_right,
-                        NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
+            [(_fwd_consumer, (0, smem, o_desc, O, stride_o, LSE, stride_lse, tiles, SCHED, WS, WSL, scalars,
+                              window, META)),
+             (_fwd_consumer, (1, smem, o_desc, O, stride_o, LSE, stride_lse, tiles, SCHED, WS, WSL, scalars,
+                              window, META)),
+             (_fwd_consumer, (2, smem, o_desc, O, stride_o, LSE, stride_lse, tiles, SCHED, WS, WSL, scalars,
+                              window, META)),
+             (_fwd_loader, (q_desc, k_desc, v_desc, smem, tiles, SCHED, window, META))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize(
-            [(_fwd_consumer, (0, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, o_desc, O, stride_om, stride_oh,
-                          LSE, stride_lseb, stride_lseh, stride_lsem,
-                          tiles, SCHED, WS, WSL,
-                          qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
-             (_fwd_consumer, (1, q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready,
-                          k_free, v_free, o_desc, O, stride_om, stride_oh,
-                          LSE, stride_lseb, stride_lseh, stride_lsem,
-                          tiles, SCHED, WS, WSL,
-                          qk_scale, softcap_log2, window_left, window_right,
-                          BLOCK_N, STAGES, NUM_CONSUMERS, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                          IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, HEAD_DIM, Q_REGS,
-                          OWN_BLOCKS, RESCALE_EARLY, TREE_MAX, PIECES)),
-             (_fwd_loader, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
-                        k_ready, v_ready, k_free, v_free,
-                        tiles, SCHED, window_left, window_right,
-                        NUM_CONSUMERS, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
-                        HAS_SEQUSED_Q, HAS_SEQUSED_K, Q_SLOTS, SCHEDULED, PIECES))],
+            [(_fwd_consumer, (0, smem, o_desc, O, stride_o, LSE, stride_lse, tiles, SCHED, WS, WSL, scalars,
+                              window, META)),
+             (_fwd_consumer, (1, smem, o_desc, O, stride_o, LSE, stride_lse, tiles, SCHED, WS, WSL, scalars,
+                              window, META)),
+             (_fwd_loader, (q_desc, k_desc, v_desc, smem, tiles, SCHED, window, META))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # ---- host side --------------------------------------------------------------------------
+
+class FwdMeta(NamedTuple):
+    """``hopper_fwd_kernel``'s compile-time constants (its ``META``, built by ``kernel_args``):
+    the tile (``BLOCK_N`` keys, ``STAGES`` ring slots, ``NUM_CONSUMERS`` warpgroups), the
+    mask and softcap, the varlen / seqused addressing, the partitions' registers
+    (``LOADER_REGS``, ``CONSUMER_REGS``), the walk (``Q_SLOTS``, ``SCHEDULED``: the host's
+    table, ``PIECES``: the split tail), the tensors' ``HEAD_DIM`` and the tile's options
+    (``HopperFwdConfig``)."""
+    BLOCK_N: int
+    STAGES: int
+    NUM_CONSUMERS: int
+    HAS_LEFT: bool
+    HAS_RIGHT: bool
+    SOFTCAP: bool
+    IS_VARLEN: bool
+    HAS_SEQUSED_Q: bool
+    HAS_SEQUSED_K: bool
+    LOADER_REGS: int
+    CONSUMER_REGS: int
+    Q_SLOTS: int
+    SCHEDULED: bool
+    HEAD_DIM: int
+    Q_REGS: bool
+    OWN_BLOCKS: bool
+    RESCALE_EARLY: bool
+    TREE_MAX: bool
+    PIECES: bool
+
 
 # Dispatched head dims (dispatch.hopper_fwd_supports). 96 / 192 (common.PADDED_HEAD_DIMS)
 # are computed at the next tile width, 128 / 256 (configs.SM90_HOPPER_FWD has that width's
@@ -649,17 +667,24 @@ def kernel_args(q, k, v, out, lse, params, cfg, cu_seqlens_q=None, cu_seqlens_k=
     qk_scale, softcap_log2 = params.score_constants()
     if cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"HopperFwdConfig.block_n={cfg.block_n}: a power of two (Gluon's tiles and TMA boxes)")
+    is_varlen, has_used_q, has_used_k = pb.seq_flags
+    meta = FwdMeta(BLOCK_N=cfg.block_n, STAGES=cfg.stages, NUM_CONSUMERS=cfg.num_consumers,
+                   HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+                   SOFTCAP=params.softcap > 0.0, IS_VARLEN=is_varlen, HAS_SEQUSED_Q=has_used_q,
+                   HAS_SEQUSED_K=has_used_k, LOADER_REGS=LOADER_REGS, CONSUMER_REGS=cfg.consumer_regs,
+                   Q_SLOTS=q_slots, SCHEDULED=how in ("scheduled", "pieces"), HEAD_DIM=q.shape[-1],
+                   Q_REGS=cfg.q_regs, OWN_BLOCKS=cfg.own_blocks, RESCALE_EARLY=rescale_early(cfg, params),
+                   TREE_MAX=cfg.tree_max, PIECES=how == "pieces")
+    # (pb.seq_args: (total_q, total_k) end ``sizes``, the four pointers follow)
+    total_q, total_k, cu_q, cu_k, used_q, used_k = pb.seq_args
+    # (only host scalars in the tuples: every tensor and descriptor is an argument of its own,
+    # where a launch plan finds and replaces it)
     args = [descriptor(q4, bm, d), descriptor(k4, cfg.block_n, d), descriptor(v4, cfg.block_n, d),
-            descriptor(o4, bm, d), out, o4.stride(1), o4.stride(2), lse, *pb.lse_strides(lse),
-            pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_tiles, num_m_blocks,
-            sections, *pb.seq_args, sched, q if ws is None else ws, q if wsl is None else wsl,
-            qk_scale, softcap_log2, params.window_left, params.window_right,
-            cfg.block_n, cfg.stages, cfg.num_consumers,
-            params.window_left >= 0, params.window_right >= 0, params.softcap > 0.0,
-            *pb.seq_flags, LOADER_REGS, cfg.consumer_regs,
-            q_slots, how in ("scheduled", "pieces"), q.shape[-1],  # .., HEAD_DIM,
-            cfg.q_regs, cfg.own_blocks, rescale_early(cfg, params),
-            cfg.tree_max, how == "pieces"]
+            descriptor(o4, bm, d), out, (o4.stride(1), o4.stride(2)), lse, tuple(pb.lse_strides(lse)),
+            (pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_tiles, num_m_blocks, sections,
+             total_q, total_k),
+            cu_q, cu_k, used_q, used_k, sched, q if ws is None else ws, q if wsl is None else wsl,
+            (qk_scale, softcap_log2), (params.window_left, params.window_right), meta]
     return grid, args
 
 

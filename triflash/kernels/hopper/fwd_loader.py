@@ -53,8 +53,8 @@ class Tiles:
     USED_K: (gl.tensor, gl.constexpr)
 
     @gluon.constexpr_function
-    def __init__(self, num_tiles, num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q,
-                 total_k, CU_Q, CU_K, USED_Q, USED_K):
+    def __init__(self, nheads, nheads_kv, seqlen_q, seqlen_k, num_tiles, num_m_blocks, section_heads, total_q,
+                 total_k, CU_Q, CU_K, USED_Q, USED_K):  # (the kernel's ``sizes``, then its pointers)
         self.num_tiles = _field(num_tiles)
         self.num_m_blocks = _field(num_m_blocks)
         self.section_heads = _field(section_heads)
@@ -81,13 +81,22 @@ class Tiles:
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
-                k_ready, v_ready, k_free, v_free,
-                tiles, SCHED, window_left, window_right,
-                NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                HAS_SEQUSED_Q: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, Q_SLOTS: gl.constexpr,
-                SCHEDULED: gl.constexpr, PIECES: gl.constexpr):
+def _fwd_loader(q_desc, k_desc, v_desc, smem, tiles, SCHED, window, META: gl.constexpr):
+    """The loader warp (see above). ``smem``: the Q tiles, K / V rings and their barriers
+    (``hopper_fwd_kernel``); ``window`` (window_left, window_right), ``META`` (a
+    ``FwdMeta``): the kernel's."""
+    q_bufs, q_ready, q_free, k_ring, v_ring, k_ready, v_ready, k_free, v_free = smem
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    BLOCK_N: gl.constexpr = META.BLOCK_N
+    STAGES: gl.constexpr = META.STAGES
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    HAS_SEQUSED_Q: gl.constexpr = META.HAS_SEQUSED_Q
+    HAS_SEQUSED_K: gl.constexpr = META.HAS_SEQUSED_K
+    Q_SLOTS: gl.constexpr = META.Q_SLOTS
+    SCHEDULED: gl.constexpr = META.SCHEDULED
+    PIECES: gl.constexpr = META.PIECES
     BM: gl.constexpr = q_desc.block_type.shape[1]
     kv_base = 0
     local = 0
@@ -96,7 +105,7 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_bufs, q_ready, q_free, k_ring, v_ring,
         tile, lo, hi, piece = _piece_at(walk, SCHED, SCHEDULED, PIECES)
         (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
          n_min, n_full_min, n_full_max, n_max) = tiles.query_tile(
-            tile, window_left, window_right, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
+            tile, *window, BM * NUM_CONSUMERS, BLOCK_N, HAS_LEFT, HAS_RIGHT, IS_VARLEN,
             HAS_SEQUSED_Q, HAS_SEQUSED_K)
         if PIECES:  # (a piece of a tile: key blocks [lo, hi), split_schedule)
             n_min, n_full_min, n_full_max, n_max = _clip_blocks(lo, hi, n_min, n_full_min, n_full_max, n_max)
