@@ -105,7 +105,7 @@ def test_padded_head_dims_backward_boxes(d, width):
         _, args = bwd256.kernel_args(pb, q, k, v, do, dk, dv, stat, delta, p, cfg)
         assert [x.block_shape[-1] for x in args[:4]] == [128] * 4
         # HEAD_DIM: WG1 stores columns [128, d) only
-        assert kernel_arg(bwd256.hopper_bwd256_kernel, args, "FLAGS").HEAD_DIM == d
+        assert kernel_arg(bwd256.hopper_bwd256_kernel, args, "META").HEAD_DIM == d
     else:
         args = B._kernel_args(pb, q, k, v, do, dk, dv, stat, delta, torch.empty(q.shape), p, cfg, True)
         descs = args[:6]  # q, k, v, dout, dk, dv
@@ -114,12 +114,12 @@ def test_padded_head_dims_backward_boxes(d, width):
         dq_accum = kernel_arg(B.hopper_bwd_kernel, args, "dq_desc")
         assert (dq_accum.block_shape[-1], dq_accum.shape[-1]) == (width // 2, d)
         # HEAD_DIM: a varlen batch's masked dK / dV stores stop there
-        assert kernel_arg(B.hopper_bwd_kernel, args, "FLAGS").HEAD_DIM == d
+        assert kernel_arg(B.hopper_bwd_kernel, args, "META").HEAD_DIM == d
     _, args = bwd_dq.kernel_args(pb, q, k, v, do, dq, stat, delta, p, cfg.dq_block_n)
     assert [x.block_shape[-1] for x in args[:5]] == [width] * 5  # q, k, v, dout, dq
     assert [x.shape[-1] for x in args[:5]] == [d] * 5
     # HEAD_DIM: a varlen batch's masked dQ stores stop there
-    assert kernel_arg(bwd_dq.hopper_dq_kernel, args, "FLAGS").HEAD_DIM == d
+    assert kernel_arg(bwd_dq.hopper_dq_kernel, args, "META").HEAD_DIM == d
 
 
 def test_tail_pieces():

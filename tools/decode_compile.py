@@ -52,9 +52,9 @@ def launches(form):
 
 
 def _block_mn(fn, kwargs):
-    """(rows, keys) per tile of a launch: the decode kernel's ``TILE``, the combine's BLOCK_M."""
-    if "TILE" in kwargs:
-        return kwargs["TILE"].block_m, kwargs["TILE"].block_n
+    """(rows, keys) per tile of a launch: the decode kernel's ``META``, the combine's BLOCK_M."""
+    if "META" in kwargs:
+        return kwargs["META"].BLOCK_M, kwargs["META"].BLOCK_N
     return kwargs.get("BLOCK_M"), None
 
 

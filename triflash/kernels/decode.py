@@ -40,29 +40,25 @@ class DecodeConfig:
     num_stages: int
 
 
-class DecodeTile(NamedTuple):
-    """A launch's compile-time shape (the kernels' ``TILE``)."""
-    group: int       # query heads per KV head, packed into a tile's rows
-    headdim: int
-    headdim_v: int
-    block_m: int     # packed rows (query tokens x group) per tile
-    block_n: int     # keys per step
-    block_d: int     # headdim and headdim_v rounded up to powers of two
-    block_dv: int
-
-
-class DecodeFeatures(NamedTuple):
-    """A launch's compile-time switches (the kernels' ``FEAT``)."""
-    is_varlen: bool      # q packed by cu_seqlens_q
-    has_seqused_k: bool  # per-sequence key counts (cache_seqlens)
-    has_left: bool       # a sliding window's left edge
-    has_right: bool      # causal or a window's right edge
-    softcap: bool
-    upcast: bool         # fp32 operands (the interpreter)
-    has_kv_batch: bool   # cache_batch_idx
-    has_k_start: bool    # cache_leftpad
-    paged: bool          # page_table
-    split: bool          # shares merged by decode_combine_kernel
+class DecodeMeta(NamedTuple):
+    """A launch's compile-time constants (the kernels' ``META``)."""
+    GROUP: int            # query heads per KV head, packed into a tile's rows
+    HEADDIM: int
+    HEADDIM_V: int
+    BLOCK_M: int          # packed rows (query tokens x GROUP) per tile
+    BLOCK_N: int          # keys per step
+    BLOCK_D: int          # HEADDIM and HEADDIM_V rounded up to powers of two
+    BLOCK_DV: int
+    IS_VARLEN: bool       # q packed by cu_seqlens_q
+    HAS_SEQUSED_K: bool   # per-sequence key counts (cache_seqlens)
+    HAS_LEFT: bool        # a sliding window's left edge
+    HAS_RIGHT: bool       # causal or a window's right edge
+    SOFTCAP: bool
+    UPCAST: bool          # fp32 operands (the interpreter)
+    HAS_KV_BATCH: bool    # cache_batch_idx
+    HAS_K_START: bool     # cache_leftpad
+    PAGED: bool           # page_table
+    SPLIT: bool           # shares merged by decode_combine_kernel
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -170,21 +166,21 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, len_k, k_first, page_row,
-            paging, score, MASK: tl.constexpr, TILE: tl.constexpr, FEAT: tl.constexpr):
+            paging, score, MASK: tl.constexpr, META: tl.constexpr):
     """Online softmax over key blocks [lo, hi); ``tok``: each row's query token (masks)."""
     stride_kn, stride_vn, stride_kb, stride_vb = kv_strides
     _, page_size, num_kv_blocks = paging
     qk_scale, softcap_log2, window_left, window_right = score
-    HEADDIM: tl.constexpr = TILE.headdim
-    HEADDIM_V: tl.constexpr = TILE.headdim_v
-    BLOCK_N: tl.constexpr = TILE.block_n
-    BLOCK_D: tl.constexpr = TILE.block_d
-    BLOCK_DV: tl.constexpr = TILE.block_dv
-    HAS_LEFT: tl.constexpr = FEAT.has_left
-    HAS_RIGHT: tl.constexpr = FEAT.has_right
-    SOFTCAP: tl.constexpr = FEAT.softcap
-    UPCAST: tl.constexpr = FEAT.upcast
-    PAGED: tl.constexpr = FEAT.paged
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_N: tl.constexpr = META.BLOCK_N
+    BLOCK_D: tl.constexpr = META.BLOCK_D
+    BLOCK_DV: tl.constexpr = META.BLOCK_DV
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    SOFTCAP: tl.constexpr = META.SOFTCAP
+    UPCAST: tl.constexpr = META.UPCAST
+    PAGED: tl.constexpr = META.PAGED
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -222,12 +218,11 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
 @triton.jit
 def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_v, stride_o, stride_lse,
                   cu_seqlens_q, seqused_k, KV_BATCH, K_START, PAGE_TABLE, paging, sizes, score,
-                  TILE: tl.constexpr, FEAT: tl.constexpr):
+                  META: tl.constexpr):
     """Program (split, m tile, batch * nheads_kv + head_kv). Strides: (batch, token, head) of
     q, k, v, o, and (batch, head, token) of lse; ``paging`` (page-table row stride, page size,
     cache blocks); ``sizes`` (nheads_kv, seqlen_q, seqlen_k, total_q, num_splits); ``score``
-    (qk_scale, softcap_log2, window_left, window_right); ``TILE`` a ``DecodeTile``, ``FEAT``
-    ``DecodeFeatures``."""
+    (qk_scale, softcap_log2, window_left, window_right); ``META`` a ``DecodeMeta``."""
     stride_qb, stride_qm, stride_qh = stride_q
     stride_kb, stride_kn, stride_kh = stride_k
     stride_vb, stride_vn, stride_vh = stride_v
@@ -235,22 +230,22 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     stride_lseb, stride_lseh, stride_lsem = stride_lse
     nheads_kv, seqlen_q, seqlen_k, total_q, num_splits = sizes
     qk_scale, softcap_log2, window_left, window_right = score
-    GROUP: tl.constexpr = TILE.group
-    HEADDIM: tl.constexpr = TILE.headdim
-    HEADDIM_V: tl.constexpr = TILE.headdim_v
-    BLOCK_M: tl.constexpr = TILE.block_m
-    BLOCK_N: tl.constexpr = TILE.block_n
-    BLOCK_D: tl.constexpr = TILE.block_d
-    BLOCK_DV: tl.constexpr = TILE.block_dv
-    IS_VARLEN: tl.constexpr = FEAT.is_varlen
-    HAS_SEQUSED_K: tl.constexpr = FEAT.has_seqused_k
-    HAS_LEFT: tl.constexpr = FEAT.has_left
-    HAS_RIGHT: tl.constexpr = FEAT.has_right
-    UPCAST: tl.constexpr = FEAT.upcast
-    HAS_KV_BATCH: tl.constexpr = FEAT.has_kv_batch
-    HAS_K_START: tl.constexpr = FEAT.has_k_start
-    PAGED: tl.constexpr = FEAT.paged
-    SPLIT: tl.constexpr = FEAT.split
+    GROUP: tl.constexpr = META.GROUP
+    HEADDIM: tl.constexpr = META.HEADDIM
+    HEADDIM_V: tl.constexpr = META.HEADDIM_V
+    BLOCK_M: tl.constexpr = META.BLOCK_M
+    BLOCK_N: tl.constexpr = META.BLOCK_N
+    BLOCK_D: tl.constexpr = META.BLOCK_D
+    BLOCK_DV: tl.constexpr = META.BLOCK_DV
+    IS_VARLEN: tl.constexpr = META.IS_VARLEN
+    HAS_SEQUSED_K: tl.constexpr = META.HAS_SEQUSED_K
+    HAS_LEFT: tl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: tl.constexpr = META.HAS_RIGHT
+    UPCAST: tl.constexpr = META.UPCAST
+    HAS_KV_BATCH: tl.constexpr = META.HAS_KV_BATCH
+    HAS_K_START: tl.constexpr = META.HAS_K_START
+    PAGED: tl.constexpr = META.PAGED
+    SPLIT: tl.constexpr = META.SPLIT
     stride_ptb, _, num_kv_blocks = paging
     split = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -323,11 +318,11 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # masked left edge (sliding window), unmasked middle, masked right edge (causal / tail)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, (stride_kn, stride_vn, stride_kb, stride_vb),
-                            lo, f_lo, tok, len_q, len_k, k_first, page_row, paging, score, True, TILE, FEAT)
+                            lo, f_lo, tok, len_q, len_k, k_first, page_row, paging, score, True, META)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, (stride_kn, stride_vn, stride_kb, stride_vb),
-                            f_lo, f_hi, tok, len_q, len_k, k_first, page_row, paging, score, False, TILE, FEAT)
+                            f_lo, f_hi, tok, len_q, len_k, k_first, page_row, paging, score, False, META)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, (stride_kn, stride_vn, stride_kb, stride_vb),
-                            f_hi, hi, tok, len_q, len_k, k_first, page_row, paging, score, True, TILE, FEAT)
+                            f_hi, hi, tok, len_q, len_k, k_first, page_row, paging, score, True, META)
 
     # A row that saw no key: output 0, lse = -inf (never NaN).
     seen = l_i > 0.0
@@ -419,10 +414,9 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     total_q = q.shape[0] if varlen else q.shape[1]
     upcast = target == "interpret"
     kv_batch, k_start, page_table, *paging = cache_args
-    tile = DecodeTile(group, d, dv, pl.block_m, pl.cfg.block_n, max(16, triton.next_power_of_2(d)), block_dv)
-    feat = DecodeFeatures(varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
-                          upcast, cache_flags["HAS_KV_BATCH"], cache_flags["HAS_K_START"], cache_flags["PAGED"],
-                          split)
+    meta = DecodeMeta(group, d, dv, pl.block_m, pl.cfg.block_n, max(16, triton.next_power_of_2(d)), block_dv,
+                      varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
+                      upcast, SPLIT=split, **cache_flags)
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
@@ -431,7 +425,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
         kv_batch, k_start, page_table, tuple(paging),
         (nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits),
         (qk_scale, softcap_log2, p.window_left, p.window_right),
-        TILE=tile, FEAT=feat, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
+        META=meta, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
     if split:
         block_s = triton.next_power_of_2(pl.splits)
         chunk = min(block_dv, max(16, 8192 // block_s))  # (an 8K-element tile of shares per program)

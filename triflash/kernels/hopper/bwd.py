@@ -88,8 +88,8 @@ VARLEN = True               # cu_seqlens / seqused: per-sequence tiles, masked d
 SPLIT_D_HEAD_DIMS = (256,)  # dK/dV by hopper/bwd256.py (head-dim axis split over the warpgroups)
 
 
-class Flags(NamedTuple):
-    """The compile-time choices of ``hopper_bwd_kernel``, its constexpr ``FLAGS``: every field
+class BwdMeta(NamedTuple):
+    """The compile-time choices of ``hopper_bwd_kernel``, its constexpr ``META``: every field
     specializes the kernel as a constexpr parameter of its own did (one parameter instead of
     fifteen; a function reads the fields it needs into constexprs of the same names)."""
     STAGES: int            # Q / dO ring depth
@@ -111,7 +111,7 @@ class Flags(NamedTuple):
 
 @gluon.jit
 def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcols0, tma_batch, len_q, len_k,
-              scalars, bounds, FLAGS: gl.constexpr, MASK: gl.constexpr, C: gl.constexpr):
+              scalars, bounds, META: gl.constexpr, MASK: gl.constexpr, C: gl.constexpr):
     """One query block ``m`` of query head ``head`` (ring slot ``it``) for the 64 keys of
     consumer warpgroup ``C``; returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the
     block's dQ, or with ``DQ_LAG`` those of the block before (the previous query block of
@@ -124,12 +124,12 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
     ds_bufs, ds_bars, dq_buf, dq_desc = dq_io
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
     m_min, m_full_min, m_full_max, m_max = bounds
-    STAGES: gl.constexpr = FLAGS.STAGES
-    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
-    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
-    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
-    ATOMIC_DQ: gl.constexpr = FLAGS.ATOMIC_DQ
-    DQ_LAG: gl.constexpr = FLAGS.DQ_LAG
+    STAGES: gl.constexpr = META.STAGES
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    SOFTCAP: gl.constexpr = META.SOFTCAP
+    ATOMIC_DQ: gl.constexpr = META.ATOMIC_DQ
+    DQ_LAG: gl.constexpr = META.DQ_LAG
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -343,7 +343,7 @@ def _store_piece(DKV_PART, slot, dk, dv, C: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, FLAGS: gl.constexpr, C: gl.constexpr):
+def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, META: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup ``C``: dK and dV of keys ``key_start + [0, 64)`` (its K / V tiles
     ``k_bufs.index(C)``, ``v_bufs.index(C)``), and with ``ATOMIC_DQ`` a column slice of
     every query block's dQ over the CTA's keys. ``REG_A`` (``configs.HopperBwdConfig.reg_a``)
@@ -361,12 +361,12 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, FLAGS: 
     m_min, m_full_min, m_full_max, m_max = bounds
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
     slot, DKV_PART = split_out
-    ATOMIC_DQ: gl.constexpr = FLAGS.ATOMIC_DQ
-    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
-    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
-    REG_A: gl.constexpr = FLAGS.REG_A
-    SPLIT: gl.constexpr = FLAGS.SPLIT
-    DQ_LAG: gl.constexpr = FLAGS.DQ_LAG
+    ATOMIC_DQ: gl.constexpr = META.ATOMIC_DQ
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    HEAD_DIM: gl.constexpr = META.HEAD_DIM
+    REG_A: gl.constexpr = META.REG_A
+    SPLIT: gl.constexpr = META.SPLIT
+    DQ_LAG: gl.constexpr = META.DQ_LAG
     k_buf = k_bufs.index(C)
     v_buf = v_bufs.index(C)
     KR: gl.constexpr = k_buf.shape[0]
@@ -399,7 +399,7 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, FLAGS: 
             for m in range(bounds[seg], bounds[seg + 1]):
                 dk, dv = _bwd_step(base + m, m, head, k_a, v_a, k_bufs, ring,
                                    (ds_bufs, ds_bars, dq_bufs.index(C), dq_desc), dk, dv, keys, qcols0,
-                                   tma_batch, len_q, len_k, scalars, bounds, FLAGS, seg != 1, C)
+                                   tma_batch, len_q, len_k, scalars, bounds, META, seg != 1, C)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
@@ -453,27 +453,27 @@ def _store_dkdv(k_buf, v_buf, dk, dv, out, tma_batch, head_kv, start_k, key_star
 @gluon.jit
 def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                       DK_OUT, stride_dk, DV_OUT, stride_dv, dq_desc,
-                      sizes, CU_Q, CU_K, USED_Q, USED_K, scalars, split_tiles, DKV_PART, FLAGS: gl.constexpr):
+                      sizes, CU_Q, CU_K, USED_Q, USED_K, scalars, split_tiles, DKV_PART, META: gl.constexpr):
     """``stride_dk`` / ``stride_dv``: (row, head) strides of DK_OUT / DV_OUT (varlen stores);
     ``sizes``: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k); ``scalars``:
     (qk_scale, softmax_scale, softcap_log2, window_left, window_right); ``split_tiles``:
-    (n_full, nb) of a split last wave (``_split_tile``); ``FLAGS``: a ``Flags``. Tuples of
+    (n_full, nb) of a split last wave (``_split_tile``); ``META``: a ``BwdMeta``. Tuples of
     host scalars only: the launch plans swap tensors in top-level argument slots."""
     nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k = sizes
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
     n_full, nb = split_tiles
-    STAGES: gl.constexpr = FLAGS.STAGES
-    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
-    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
-    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
-    ATOMIC_DQ: gl.constexpr = FLAGS.ATOMIC_DQ
-    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
-    HAS_SEQUSED_Q: gl.constexpr = FLAGS.HAS_SEQUSED_Q
-    HAS_SEQUSED_K: gl.constexpr = FLAGS.HAS_SEQUSED_K
-    LOADER_REGS: gl.constexpr = FLAGS.LOADER_REGS
-    CONSUMER_REGS: gl.constexpr = FLAGS.CONSUMER_REGS
-    SPLIT: gl.constexpr = FLAGS.SPLIT
-    DQ_LAG: gl.constexpr = FLAGS.DQ_LAG
+    STAGES: gl.constexpr = META.STAGES
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    ATOMIC_DQ: gl.constexpr = META.ATOMIC_DQ
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    HAS_SEQUSED_Q: gl.constexpr = META.HAS_SEQUSED_Q
+    HAS_SEQUSED_K: gl.constexpr = META.HAS_SEQUSED_K
+    LOADER_REGS: gl.constexpr = META.LOADER_REGS
+    CONSUMER_REGS: gl.constexpr = META.CONSUMER_REGS
+    SPLIT: gl.constexpr = META.SPLIT
+    DQ_LAG: gl.constexpr = META.DQ_LAG
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -538,9 +538,9 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     split_out = (slot, DKV_PART)
     gl.warp_specialize(
         [(_bwd_consumer, (kv, ring, dq_io, out, (tma_batch, head_kv, group, start_k, key0, len_q, len_k),
-                          bounds, scalars, split_out, FLAGS, 0)),
+                          bounds, scalars, split_out, META, 0)),
          (_bwd_consumer, (kv, ring, dq_io, out, (tma_batch, head_kv, group, start_k, key0 + KR, len_q, len_k),
-                          bounds, scalars, split_out, FLAGS, 1)),
+                          bounds, scalars, split_out, META, 1)),
          (_bwd_loader, ((q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc), kv, ring,
                         (tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max),
                         NUM_CONSUMERS, STAGES))],
@@ -607,19 +607,19 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
     kr = ROWS_PER_CONSUMER
     d = kernel_head_dim(q.shape[-1])
     total_q, total_k, cu_q, cu_k, used_q, used_k = pb.seq_args
-    flags = Flags(STAGES=cfg.atomic_stages if atomic_dq else cfg.stages, NUM_CONSUMERS=NUM_CONSUMERS,
-                  HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
-                  SOFTCAP=params.softcap > 0.0, ATOMIC_DQ=atomic_dq, IS_VARLEN=pb.seq_flags[0],
-                  HAS_SEQUSED_Q=pb.seq_flags[1], HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS,
-                  CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=q.shape[-1], REG_A=cfg.reg_a_for(params.softcap),
-                  SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq)
+    meta = BwdMeta(STAGES=cfg.atomic_stages if atomic_dq else cfg.stages, NUM_CONSUMERS=NUM_CONSUMERS,
+                   HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+                   SOFTCAP=params.softcap > 0.0, ATOMIC_DQ=atomic_dq, IS_VARLEN=pb.seq_flags[0],
+                   HAS_SEQUSED_Q=pb.seq_flags[1], HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS,
+                   CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=q.shape[-1], REG_A=cfg.reg_a_for(params.softcap),
+                   SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq)
     return [descriptor(q, BLOCK_M, d), descriptor(k, kr, d), descriptor(v, kr, d), descriptor(dout, BLOCK_M, d),
             descriptor(dk, kr, d), descriptor(dv, kr, d), stat_descriptor(stat), stat_descriptor(delta),
             dk, (dk.stride(1), dk.stride(2)), dv, (dv.stride(1), dv.stride(2)),
             descriptor(dq_accum, BLOCK_M, d // 2),
             (pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, total_q, total_k), cu_q, cu_k, used_q, used_k,
             (qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right),
-            (n_full, ceil_div(pb.seqlen_k, BLOCK_N)), dkv_part, flags]
+            (n_full, ceil_div(pb.seqlen_k, BLOCK_N)), dkv_part, meta]
 
 
 def stats(pb, out, dout, lse):

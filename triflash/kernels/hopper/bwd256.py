@@ -59,8 +59,8 @@ BLOCK_M = 64   # query rows per streamed tile
 HALF = 128     # head-dim columns per warpgroup
 
 
-class Flags(NamedTuple):
-    """The compile-time choices of ``hopper_bwd256_kernel``, its constexpr ``FLAGS``: every
+class Bwd256Meta(NamedTuple):
+    """The compile-time choices of ``hopper_bwd256_kernel``, its constexpr ``META``: every
     field specializes the kernel as a constexpr parameter of its own did (a function reads
     the fields it needs into constexprs of the same names)."""
     STAGES: int            # Q / dO ring depth
@@ -77,7 +77,7 @@ class Flags(NamedTuple):
 
 
 @gluon.jit
-def _wg_scores(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexpr):
+def _wg_scores(kv, ring, xchg, dkv_out, seq, bounds, scalars, META: gl.constexpr):
     """WG0: S^T, P^T (and dS^T unless ``DS_WG1``); dK and dV columns [0, 128). ``REG_A``
     (``configs.HopperBwdConfig.reg_a``): the first ``REG_A`` K halves in registers.
     ``kv`` / ``ring``: as the loader's (``bwd_loader._bwd_loader``); ``xchg``: the exchange
@@ -95,12 +95,12 @@ def _wg_scores(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexp
     tma_batch, head_kv, group, start_k, key0, len_q, len_k = seq
     m_min, m_full_min, m_full_max, m_max = bounds
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
-    STAGES: gl.constexpr = FLAGS.STAGES
-    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
-    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
-    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
-    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
-    REG_A: gl.constexpr = FLAGS.REG_A
+    STAGES: gl.constexpr = META.STAGES
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    SOFTCAP: gl.constexpr = META.SOFTCAP
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    REG_A: gl.constexpr = META.REG_A
     # dS^T by WG1 from P^T in 16 bits, but with softcap (its dS needs WG0's tanh)
     DS_WG1: gl.constexpr = not SOFTCAP
     # dK / dV out by TMA stores, but on a varlen batch (they would cross into the next sequence)
@@ -210,7 +210,7 @@ def _dprobs_t(v0, v1, do_ring, delta_ring, do_ready, it, STAGES: gl.constexpr,
 
 
 @gluon.jit
-def _wg_dprobs(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexpr):
+def _wg_dprobs(kv, ring, xchg, dkv_out, seq, bounds, scalars, META: gl.constexpr):
     """WG1: dP'^T (and dS^T = P^T dP'^T with ``DS_WG1``, P^T from WG0 in 16 bits: no fp32
     exchange); dK and dV columns [128, HEAD_DIM). Arguments as ``_wg_scores``'."""
     k_bufs, v_bufs, kv_bar = kv
@@ -222,11 +222,11 @@ def _wg_dprobs(kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS: gl.constexp
     tma_batch, head_kv, group, start_k, key0, len_q, len_k = seq
     m_min, m_full_min, m_full_max, m_max = bounds
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
-    STAGES: gl.constexpr = FLAGS.STAGES
-    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
-    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
-    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
-    REG_A: gl.constexpr = FLAGS.REG_A
+    STAGES: gl.constexpr = META.STAGES
+    SOFTCAP: gl.constexpr = META.SOFTCAP
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    HEAD_DIM: gl.constexpr = META.HEAD_DIM
+    REG_A: gl.constexpr = META.REG_A
     DS_WG1: gl.constexpr = not SOFTCAP  # (as _wg_scores')
     TMA_EPILOGUE: gl.constexpr = not IS_VARLEN
     dtype: gl.constexpr = k_bufs.dtype
@@ -322,23 +322,23 @@ def _store_half(acc, PTR, stride_b, stride_n, stride_h, tma_batch, head_kv, star
 @gluon.jit
 def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc,
                          DK, DV, stride_dk, stride_dv, sizes, CU_Q, CU_K, USED_Q, USED_K, scalars,
-                         FLAGS: gl.constexpr):
+                         META: gl.constexpr):
     """``stride_dk`` / ``stride_dv``: (batch, row, head) strides of DK / DV (varlen stores);
     ``sizes``: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k); ``scalars``:
-    (qk_scale, softmax_scale, softcap_log2, window_left, window_right); ``FLAGS``: a
-    ``Flags``. Tuples of host scalars only: the launch plans swap tensors in top-level
+    (qk_scale, softmax_scale, softcap_log2, window_left, window_right); ``META``: a
+    ``Bwd256Meta``. Tuples of host scalars only: the launch plans swap tensors in top-level
     argument slots."""
     nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k = sizes
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
-    STAGES: gl.constexpr = FLAGS.STAGES
-    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
-    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
-    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
-    HAS_SEQUSED_Q: gl.constexpr = FLAGS.HAS_SEQUSED_Q
-    HAS_SEQUSED_K: gl.constexpr = FLAGS.HAS_SEQUSED_K
-    LOADER_REGS: gl.constexpr = FLAGS.LOADER_REGS
-    CONSUMER_REGS: gl.constexpr = FLAGS.CONSUMER_REGS
-    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
+    STAGES: gl.constexpr = META.STAGES
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    HAS_SEQUSED_Q: gl.constexpr = META.HAS_SEQUSED_Q
+    HAS_SEQUSED_K: gl.constexpr = META.HAS_SEQUSED_K
+    LOADER_REGS: gl.constexpr = META.LOADER_REGS
+    CONSUMER_REGS: gl.constexpr = META.CONSUMER_REGS
+    HEAD_DIM: gl.constexpr = META.HEAD_DIM
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KN: gl.constexpr = k_desc.block_type.shape[1]
     H: gl.constexpr = q_desc.block_type.shape[3]
@@ -385,8 +385,8 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
     seq = (tma_batch, head_kv, group, start_k, key0, len_q, len_k)
     bounds = (m_min, m_full_min, m_full_max, m_max)
     gl.warp_specialize(
-        [(_wg_scores, (kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS)),
-         (_wg_dprobs, (kv, ring, xchg, dkv_out, seq, bounds, scalars, FLAGS)),
+        [(_wg_scores, (kv, ring, xchg, dkv_out, seq, bounds, scalars, META)),
+         (_wg_dprobs, (kv, ring, xchg, dkv_out, seq, bounds, scalars, META)),
          (_bwd_loader, ((q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc), kv, ring,
                         (tma_batch, head_kv, group, start_q, start_k, stat0, key0, m_min, m_max),
                         2, STAGES, True))],
@@ -413,10 +413,10 @@ def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
             dk, dv, dk.stride()[:3], dv.stride()[:3],
             (pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, total_q, total_k), cu_q, cu_k, used_q, used_k,
             (qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right),
-            Flags(STAGES=cfg.stages, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
-                  SOFTCAP=params.softcap > 0.0, IS_VARLEN=pb.seq_flags[0], HAS_SEQUSED_Q=pb.seq_flags[1],
-                  HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-                  HEAD_DIM=d, REG_A=cfg.reg_a_for(params.softcap))]
+            Bwd256Meta(STAGES=cfg.stages, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+                       SOFTCAP=params.softcap > 0.0, IS_VARLEN=pb.seq_flags[0], HAS_SEQUSED_Q=pb.seq_flags[1],
+                       HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+                       HEAD_DIM=d, REG_A=cfg.reg_a_for(params.softcap))]
     return grid, args
 
 

@@ -41,8 +41,8 @@ NUM_CONSUMERS = 2  # consumer warpgroups
 STAGES = 2
 
 
-class Flags(NamedTuple):
-    """The compile-time choices of ``hopper_dq_kernel``, its constexpr ``FLAGS``: every field
+class DqMeta(NamedTuple):
+    """The compile-time choices of ``hopper_dq_kernel``, its constexpr ``META``: every field
     specializes the kernel as a constexpr parameter of its own did (one parameter instead of
     twelve; a function reads the fields it needs into constexprs of the same names)."""
     STAGES: int            # K / V ring depth
@@ -61,7 +61,7 @@ class Flags(NamedTuple):
 
 @gluon.jit
 def _query_tile(seq, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                FLAGS: gl.constexpr):
+                META: gl.constexpr):
     """``common._seq_query_tile`` of this CTA; ``seq``: (num_m_blocks, section_heads, nheads,
     nheads_kv, seqlen_q, seqlen_k, total_q, total_k, CU_Q, CU_K, USED_Q, USED_K)."""
     (num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
@@ -69,25 +69,25 @@ def _query_tile(seq, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: 
     return _seq_query_tile(
         gl.program_id(0), num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
         CU_Q, CU_K, USED_Q, USED_K, window_left, window_right, BLOCK_M, BLOCK_N,
-        FLAGS.HAS_LEFT, FLAGS.HAS_RIGHT, FLAGS.IS_VARLEN, FLAGS.HAS_SEQUSED_Q, FLAGS.HAS_SEQUSED_K)
+        META.HAS_LEFT, META.HAS_RIGHT, META.IS_VARLEN, META.HAS_SEQUSED_Q, META.HAS_SEQUSED_K)
 
 
 @gluon.jit
-def _dq_loader(descs, smem, seq, window, FLAGS: gl.constexpr):
+def _dq_loader(descs, smem, seq, window, META: gl.constexpr):
     """The TMA producer. ``descs``: (q_desc, do_desc, k_desc, v_desc); ``smem``: the shared
     tiles and barriers (q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free);
     ``seq``: as ``_query_tile``'s; ``window``: (window_left, window_right)."""
     q_desc, do_desc, k_desc, v_desc = descs
     q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free = smem
     window_left, window_right = window
-    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
-    STAGES: gl.constexpr = FLAGS.STAGES
-    V_STAGES: gl.constexpr = FLAGS.V_STAGES
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    STAGES: gl.constexpr = META.STAGES
+    V_STAGES: gl.constexpr = META.V_STAGES
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
      n_min, n_full_min, n_full_max, n_max) = _query_tile(seq, window_left, window_right, BM * NUM_CONSUMERS,
-                                                          BLOCK_N, FLAGS)
+                                                          BLOCK_N, META)
     mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
@@ -111,18 +111,18 @@ def _dq_loader(descs, smem, seq, window, FLAGS: gl.constexpr):
 
 @gluon.jit
 def _dq_step(it, n, smem, dq, lse, delta, rows, cols0, len_q, len_k, scalars, seqlen_q,
-             FLAGS: gl.constexpr, MASK: gl.constexpr, CID: gl.constexpr):
+             META: gl.constexpr, MASK: gl.constexpr, CID: gl.constexpr):
     """Key block ``n`` (ring slot ``it``) for consumer warpgroup ``CID``; returns dq. Each
     wgmma is waited for inside the step (an async token cannot be carried through a loop);
     the two consumer warpgroups overlap each other's element-wise work and wgmmas. ``smem``:
     as the loader's (``_dq_loader``); ``scalars``: the kernel's."""
     q_bufs, do_bufs, q_ready, k_ring, v_ring, kv_ready, kv_free, v_free = smem
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
-    STAGES: gl.constexpr = FLAGS.STAGES
-    V_STAGES: gl.constexpr = FLAGS.V_STAGES
-    HAS_LEFT: gl.constexpr = FLAGS.HAS_LEFT
-    HAS_RIGHT: gl.constexpr = FLAGS.HAS_RIGHT
-    SOFTCAP: gl.constexpr = FLAGS.SOFTCAP
+    STAGES: gl.constexpr = META.STAGES
+    V_STAGES: gl.constexpr = META.V_STAGES
+    HAS_LEFT: gl.constexpr = META.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
+    SOFTCAP: gl.constexpr = META.SOFTCAP
     if V_STAGES == 0:
         slot = CID
     else:
@@ -175,7 +175,7 @@ def _dq_step(it, n, smem, dq, lse, delta, rows, cols0, len_q, len_k, scalars, se
 
 
 @gluon.jit
-def _dq_consumer(smem, dq_out, stats, seq, scalars, FLAGS: gl.constexpr, CID: gl.constexpr):
+def _dq_consumer(smem, dq_out, stats, seq, scalars, META: gl.constexpr, CID: gl.constexpr):
     """Consumer warpgroup ``CID``: dQ of query rows ``row0 + CID * 64 + [0, 64)``.
     ``smem``: as the loader's (``_dq_loader``); ``dq_out``: (dq_desc, DQ, (stride_dqm,
     stride_dqh)); ``stats``: (STAT, DELTA, (stride_sb, stride_sh)); ``seq``: as
@@ -188,9 +188,9 @@ def _dq_consumer(smem, dq_out, stats, seq, scalars, FLAGS: gl.constexpr, CID: gl
     (num_m_blocks, section_heads, nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k,
      CU_Q, CU_K, USED_Q, USED_K) = seq
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
-    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
-    IS_VARLEN: gl.constexpr = FLAGS.IS_VARLEN
-    HEAD_DIM: gl.constexpr = FLAGS.HEAD_DIM
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    IS_VARLEN: gl.constexpr = META.IS_VARLEN
+    HEAD_DIM: gl.constexpr = META.HEAD_DIM
     q_buf = q_bufs.index(CID)
     BM: gl.constexpr = q_buf.shape[0]
     D: gl.constexpr = q_buf.shape[1]
@@ -201,7 +201,7 @@ def _dq_consumer(smem, dq_out, stats, seq, scalars, FLAGS: gl.constexpr, CID: gl
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     (tma_batch, batch, head, head_kv, start_q, len_q, start_k, len_k, row0,
      n_min, n_full_min, n_full_max, n_max) = _query_tile(seq, window_left, window_right, BM * NUM_CONSUMERS,
-                                                          BLOCK_N, FLAGS)
+                                                          BLOCK_N, META)
     row_start = row0 + CID * BM
     rows = row_start + gl.arange(0, BM, layout=row_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -216,7 +216,7 @@ def _dq_consumer(smem, dq_out, stats, seq, scalars, FLAGS: gl.constexpr, CID: gl
     for seg in gl.static_range(3):  # masked left edge, unmasked middle, masked right edge
         for n in range(bounds[seg], bounds[seg + 1]):
             dq = _dq_step(n - n_min, n, smem, dq, lse, delta, rows, cols0, len_q, len_k, scalars, seqlen_q,
-                          FLAGS, seg != 1, CID)
+                          META, seg != 1, CID)
     # dQ leaves through this consumer's Q tile (every wgmma reading it has retired)
     q_buf.store((dq * softmax_scale).to(dtype))
     _store_query_tile(q_buf, dq_desc, DQ, stride_dqm, stride_dqh, tma_batch, head, start_q, row_start,
@@ -225,19 +225,19 @@ def _dq_consumer(smem, dq_out, stats, seq, scalars, FLAGS: gl.constexpr, CID: gl
 
 @gluon.jit
 def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dq, STAT, DELTA, stride_s,
-                     sizes, CU_Q, CU_K, USED_Q, USED_K, scalars, FLAGS: gl.constexpr):
+                     sizes, CU_Q, CU_K, USED_Q, USED_K, scalars, META: gl.constexpr):
     """``stride_dq``: (row, head) strides of DQ (varlen stores); ``stride_s``: (batch, head)
     strides of STAT / DELTA; ``sizes``: (nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks,
     section_heads, total_q, total_k); ``scalars``: (qk_scale, softmax_scale, softcap_log2,
-    window_left, window_right); ``FLAGS``: a ``Flags``. Tuples of host scalars only: the
+    window_left, window_right); ``META``: a ``DqMeta``. Tuples of host scalars only: the
     launch plans swap tensors in top-level argument slots."""
     nheads, nheads_kv, seqlen_q, seqlen_k, num_m_blocks, section_heads, total_q, total_k = sizes
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
-    STAGES: gl.constexpr = FLAGS.STAGES
-    V_STAGES: gl.constexpr = FLAGS.V_STAGES
-    NUM_CONSUMERS: gl.constexpr = FLAGS.NUM_CONSUMERS
-    LOADER_REGS: gl.constexpr = FLAGS.LOADER_REGS
-    CONSUMER_REGS: gl.constexpr = FLAGS.CONSUMER_REGS
+    STAGES: gl.constexpr = META.STAGES
+    V_STAGES: gl.constexpr = META.V_STAGES
+    NUM_CONSUMERS: gl.constexpr = META.NUM_CONSUMERS
+    LOADER_REGS: gl.constexpr = META.LOADER_REGS
+    CONSUMER_REGS: gl.constexpr = META.CONSUMER_REGS
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -277,9 +277,9 @@ def hopper_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, stride_dq, ST
     dq_out = (dq_desc, DQ, stride_dq)
     stats = (STAT, DELTA, stride_s)
     gl.warp_specialize(
-        [(_dq_consumer, (smem, dq_out, stats, seq, scalars, FLAGS, 0)),
-         (_dq_consumer, (smem, dq_out, stats, seq, scalars, FLAGS, 1)),
-         (_dq_loader, ((q_desc, do_desc, k_desc, v_desc), smem, seq, (window_left, window_right), FLAGS))],
+        [(_dq_consumer, (smem, dq_out, stats, seq, scalars, META, 0)),
+         (_dq_consumer, (smem, dq_out, stats, seq, scalars, META, 1)),
+         (_dq_loader, ((q_desc, do_desc, k_desc, v_desc), smem, seq, (window_left, window_right), META))],
         [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -302,7 +302,7 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, v_stages=0)
     d = kernel_head_dim(q.shape[-1])  # 96 / 192: boxes 128 / 256 wide
     total_q, total_k, cu_q, cu_k, used_q, used_k = pb.seq_args
     is_varlen, has_used_q, has_used_k = pb.seq_flags
-    flags = Flags(STAGES=STAGES, V_STAGES=v_stages, NUM_CONSUMERS=NUM_CONSUMERS,
+    meta = DqMeta(STAGES=STAGES, V_STAGES=v_stages, NUM_CONSUMERS=NUM_CONSUMERS,
                   HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
                   SOFTCAP=params.softcap > 0.0, IS_VARLEN=is_varlen, HAS_SEQUSED_Q=has_used_q,
                   HAS_SEQUSED_K=has_used_k, LOADER_REGS=LOADER_REGS, CONSUMER_REGS=CONSUMER_REGS,
@@ -311,7 +311,7 @@ def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, v_stages=0)
             descriptor(dq, bm, d), dq, (dq.stride(1), dq.stride(2)), stat, delta, (stat.stride(0), stat.stride(1)),
             (pb.nheads, pb.nheads_kv, pb.seqlen_q, pb.seqlen_k, num_m_blocks, pb.section_heads(k, v, params),
              total_q, total_k), cu_q, cu_k, used_q, used_k,
-            (qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right), flags]
+            (qk_scale, params.softmax_scale, softcap_log2, params.window_left, params.window_right), meta]
     return (num_m_blocks * pb.nheads * pb.batch,), args
 
 
