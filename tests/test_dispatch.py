@@ -9,7 +9,7 @@ import torch
 from triflash import dispatch
 
 fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
-from triflash.kernels.hopper.common import kernel_arg  # noqa: E402
+from tools import kernel_arg  # noqa: E402
 
 
 def _qkv(d, s=64, varlen=False):

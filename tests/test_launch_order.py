@@ -104,7 +104,7 @@ def test_forward_walks():
 
     import torch
     fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
-    from triflash.kernels.hopper.common import kernel_arg
+    from tools import kernel_arg
     from triflash.kernels import configs
     from triflash.kernels.hopper.common import SCHEDULE_MAX_TILES, Problem
     from triflash.kernels.problem import AttnParams
@@ -149,7 +149,7 @@ def test_schedule_tables_under_cuda_graph_capture(monkeypatch):
     ``schedule_table`` answers None there and the launches fall back to one CTA per tile; a
     table the capture does read is kept beyond the cache's clearing (replays read it)."""
     fwd = pytest.importorskip("triflash.kernels.hopper.fwd")
-    from triflash.kernels.hopper.common import kernel_arg
+    from tools import kernel_arg
     from triflash.kernels import configs
     from triflash.kernels.hopper import common as hc
     from triflash.kernels.problem import AttnParams

@@ -107,7 +107,7 @@ def compile_fwd(headdim: int, dtype: str, feature: str, varlen: bool = False, cf
 
     from triflash.kernels import configs
     from triflash.kernels.hopper import fwd as H
-    from triflash.kernels.hopper.common import kernel_arg
+    from tools import kernel_arg
     cfg = cfg or configs.SM90_HOPPER_FWD[H.kernel_head_dim(headdim)]
     q, k, v, p, cu, used = _problem(headdim, dtype, feature, varlen)
     if kvcache:

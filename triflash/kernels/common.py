@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def ceil_div(a: int, b: int) -> int:

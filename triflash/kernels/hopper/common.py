@@ -632,14 +632,6 @@ def kernel_head_dim(d: int) -> int:
     return PADDED_HEAD_DIMS.get(d, d)
 
 
-def kernel_arg(kernel, args, name):
-    """The value of ``kernel``'s parameter ``name`` in the argument list ``args`` of one of the
-    ``kernel_args`` builders (tests and the compile check read arguments by name, never by
-    position)."""
-    assert len(args) == len(kernel.arg_names), (len(args), kernel.arg_names)
-    return args[kernel.arg_names.index(name)]
-
-
 def tma_compatible(*tensors) -> bool:
     """TMA needs 16-byte aligned base pointers and 16-byte multiples for the outer strides."""
     for x in tensors:  # (plain loops: this runs on every launch)
