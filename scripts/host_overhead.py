@@ -30,7 +30,7 @@ from triflash import ops  # noqa: E402
 def _mock_sm90():
     """CPU tensors through the sm90 dispatch, launches replaced by no-ops."""
     from triflash import dispatch, validation
-    from triflash.kernels.hopper import bwd, bwd256, bwd_dq, fwd
+    from triflash.kernels.hopper import bwd, bwd256, bwd_dq, bwd_stats, fwd
     from triflash.kernels.hopper import common as hopper_common
 
     class _Compiled:  # a compiled kernel whose launcher does nothing
@@ -51,7 +51,7 @@ def _mock_sm90():
             get_current_device = staticmethod(lambda: 0)
             get_current_stream = staticmethod(lambda device: 0)
     for mod, name in ((fwd, "hopper_fwd_kernel"), (bwd, "hopper_bwd_kernel"),
-                      (bwd, "bwd_stats_kernel"), (bwd, "_scale_cast_kernel"), (bwd_dq, "hopper_dq_kernel"),
+                      (bwd_stats, "bwd_stats_kernel"), (bwd, "_scale_cast_kernel"), (bwd_dq, "hopper_dq_kernel"),
                       (bwd256, "hopper_bwd256_kernel")):
         setattr(mod, name, _NoLaunch(getattr(mod, name).params))
     hopper_common.driver = _Driver

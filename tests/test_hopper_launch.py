@@ -225,13 +225,13 @@ def test_backward_plans_agree_with_the_built_arguments(fake_gpu, monkeypatch, d,
     specialization)."""
     from triflash.kernels import configs, problem
     from triflash.kernels.hopper import bwd as HB
-    from triflash.kernels.hopper import bwd256, bwd_dq
+    from triflash.kernels.hopper import bwd256, bwd_dq, bwd_stats
     monkeypatch.setattr(hc, "_PLANS", {})
     monkeypatch.setattr(hc, "_capturing", lambda: False)
     monkeypatch.setattr(hc, "VERIFY_LAUNCHES", False)  # (the GPU suite sets it)
     fakes = {}
     monkeypatch.setitem(hc._NUM_SMS, torch.device("cpu"), 132)
-    for mod, name in ((HB, "hopper_bwd_kernel"), (HB, "bwd_stats_kernel"), (HB, "_scale_cast_kernel"),
+    for mod, name in ((HB, "hopper_bwd_kernel"), (bwd_stats, "bwd_stats_kernel"), (HB, "_scale_cast_kernel"),
                       (HB, "_split_fixup_kernel"), (bwd_dq, "hopper_dq_kernel"),
                       (bwd256, "hopper_bwd256_kernel")):
         fakes[name] = _Kernel(len(inspect.signature(getattr(mod, name).fn).parameters))

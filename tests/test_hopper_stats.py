@@ -1,4 +1,4 @@
-"""The Hopper backward's per-row statistics (``hopper.bwd.stats``: lse in log2 units and
+"""The Hopper backward's per-row statistics (``hopper.bwd_stats.stats``: lse in log2 units and
 Delta = rowsum(dO * O), padded per sequence so that TMA boxes never leave a sequence's rows)
 for dense and varlen batches. The stats kernel is plain Triton, so this runs on the CPU
 under the interpreter too; the layout is the one ``common.stat_row0`` defines."""
@@ -9,11 +9,11 @@ import torch
 
 from conftest import DEVICE
 
-hopper_bwd = pytest.importorskip("triflash.kernels.hopper.bwd")
+bwd_stats = pytest.importorskip("triflash.kernels.hopper.bwd_stats")
 from triflash.kernels.hopper.common import Problem  # noqa: E402
 from triflash.kernels.problem import AttnParams  # noqa: E402
 
-BM = hopper_bwd.BLOCK_M
+BM = bwd_stats.BLOCK_M
 
 
 def _expected(o, do, lse, rows):
@@ -35,8 +35,8 @@ def test_varlen_stats_are_padded_per_sequence(seqused):
     lse[1, 10] = float("-inf")  # a row that saw no key
     cu_d, used_d = cu.to(DEVICE), (used.to(DEVICE) if seqused else None)
     pb = Problem(o, o, AttnParams(1.0, -1, -1, 0.0, max(lens), max(lens)), cu_d, cu_d, used_d, None)
-    stat, delta = hopper_bwd.stats(pb, o, do, lse)
-    assert stat.shape == (1, h, hopper_bwd.stat_rows(total, len(lens), BM))
+    stat, delta = bwd_stats.stats(pb, o, do, lse)
+    assert stat.shape == (1, h, bwd_stats.stat_rows(total, len(lens), BM))
     for b, n in enumerate(lens):
         start = int(cu[b])
         rows = int(used[b]) if seqused else n
@@ -65,7 +65,7 @@ def test_dense_stats_pad_to_whole_tiles(d):
     o, do = rows_with_nan_tail(), rows_with_nan_tail()
     lse = torch.randn(b, h, s, generator=g).to(DEVICE)
     pb = Problem(o, o, AttnParams(1.0, -1, -1, 0.0, s, s))
-    stat, delta = hopper_bwd.stats(pb, o, do, lse)
+    stat, delta = bwd_stats.stats(pb, o, do, lse)
     assert stat.shape == (b, h, -(-s // BM) * BM)
     for i in range(b):
         want_stat, want_delta = _expected(o[i], do[i], lse[i], s)

@@ -80,13 +80,13 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
         portable.bwd(q, q, q, q, out, lse, None, None, None, None, p, configs.INTERPRET_BWD,
                      deterministic=det, upcast=True)
     try:
-        from triflash.kernels.hopper import bwd as hopper_bwd
+        from triflash.kernels.hopper import bwd_stats
         from triflash.kernels.hopper.common import Problem
     except ImportError:  # Triton without Gluon
-        hopper_bwd = None
-    if hopper_bwd is not None:
-        monkeypatch.setattr(hopper_bwd, "bwd_stats_kernel", Record("bwd_stats_kernel"))
-        hopper_bwd.stats(Problem(q, q, p), q, q, lse)
+        bwd_stats = None
+    if bwd_stats is not None:
+        monkeypatch.setattr(bwd_stats, "bwd_stats_kernel", Record("bwd_stats_kernel"))
+        bwd_stats.stats(Problem(q, q, p), q, q, lse)
         names.append("bwd_stats_kernel")
     assert {name for name, _ in grids} == set(names)
     for name, grid in grids:

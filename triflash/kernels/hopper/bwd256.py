@@ -395,7 +395,7 @@ def hopper_bwd256_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, 
 
 def kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, params, cfg):
     """(grid, args) of ``hopper_bwd256_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
-    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``, ``cfg`` the
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd_stats.stats``, ``cfg`` the
     ``configs.HopperBwdConfig`` tile."""
     d = q.shape[-1]
     assert kernel_head_dim(d) == 2 * HALF and v.shape[-1] == d, "head dims 192 / 256 only"

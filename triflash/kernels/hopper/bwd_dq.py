@@ -295,7 +295,7 @@ def tile(cfg, varlen):
 
 def kernel_args(pb, q, k, v, dout, dq, stat, delta, params, block_n, v_stages=0):
     """Launch arguments of ``hopper_dq_kernel``: ``pb`` a ``common.Problem``, the tensors its 4D
-    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd.stats``; returns (grid, args)."""
+    views, ``stat`` / ``delta`` the buffers of ``hopper.bwd_stats.stats``; returns (grid, args)."""
     bm = ROWS_PER_CONSUMER
     num_m_blocks = ceil_div(pb.seqlen_q, bm * NUM_CONSUMERS)
     qk_scale, softcap_log2 = params.score_constants()
