@@ -28,6 +28,27 @@ FEATURES = {
 }
 
 
+_TOOLCHAIN = None
+
+
+def _ptxas_info(ptx, md) -> dict:
+    """``ptxas -v``'s resources of ``ptx`` (``sm90_report.parse_ptxas_log``), cached beside
+    sm90_report's results by the PTX, ptxas's flags and the toolchain: Triton caches its own
+    compile, not this second ptxas run, which is most of a repeated check's time."""
+    import hashlib
+    from tools import sm90_report
+    global _TOOLCHAIN
+    if _TOOLCHAIN is None:
+        _TOOLCHAIN = sm90_report._toolchain_id()
+    key = hashlib.sha256(json.dumps(["compile_check ptxas", ptx, getattr(md, "enable_fp_fusion", True),
+                                     getattr(md, "ptx_options", None), _TOOLCHAIN]).encode()).hexdigest()
+    info = sm90_report._cache_get(key)
+    if info is None:
+        info = sm90_report.parse_ptxas_log(sm90_report._run_ptxas(ptx, md))
+        sm90_report._cache_put(key, info)
+    return info
+
+
 def _compile(kernel, args) -> dict:
     """Compile a Gluon kernel for sm_90a as a launch with ``args`` would specialize it; the
     resources and instructions every Hopper kernel is checked for, plus its PTX."""
@@ -35,7 +56,6 @@ def _compile(kernel, args) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from tools import sm90_report
     from tools.smoke import _specialize
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("Gluon has no interpreter: unset TRITON_INTERPRET (or use run_subprocess)")
@@ -43,7 +63,7 @@ def _compile(kernel, args) -> dict:
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = compiled.asm["ptx"]
-    info = sm90_report.parse_ptxas_log(sm90_report._run_ptxas(ptx, compiled.metadata))
+    info = _ptxas_info(ptx, compiled.metadata)
     return dict(shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
                 registers=info["registers"], spill_bytes=info["spill_stores"] + info["spill_loads"],
                 wgmma_serialized=info["wgmma_serialized"],
