@@ -226,7 +226,7 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
             dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
             dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
         if not (PROBE & 2):
-            _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
+            _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, PROBE)
         dk = warpgroup_mma_wait(0, deps=(dk_tok,))
         mbarrier.arrive(free.index(stage))
         return dk, dv
@@ -253,15 +253,16 @@ def _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM: gl.constexpr, C: gl.constex
 
 
 @gluon.jit
-def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.constexpr, DQ_LAG: gl.constexpr):
+def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.constexpr, DQ_LAG: gl.constexpr,
+            PROBE: gl.constexpr = 0):
     """A step's dQ slice into dq_accum (``_dq_reduce``): query block ``m`` of ``head``, or
     with ``DQ_LAG`` the block before (the last of the head before for the head's first)."""
     if DQ_LAG:
         if it > 0:  # (the first step's is the zero block's)
             first = (m == m_min).to(gl.int32)
-            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
+            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C, PROBE)
     else:
-        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
+        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C, PROBE)
 
 
 @gluon.jit
@@ -281,7 +282,7 @@ def _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_buf, dq_desc, tma_batch, steps, pre
     mbarrier.wait(ds_bars.index(steps & 3), (steps >> 2) & 1)
     dq = warpgroup_mma_wait(0, deps=(_dq_wgmmas(ds_bufs, k_bufs, steps & 3, BM, C),))
     if steps > 0 and not (PROBE & 2):
-        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, prev_m, prev_head, C)
+        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, prev_m, prev_head, C, PROBE)
 
 
 @gluon.jit
@@ -306,15 +307,20 @@ def _dq_wgmmas(ds_bufs, k_bufs, dslot, BM: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
-def _dq_reduce(dq, dq_buf, dq_desc, tma_batch, dq_m, dq_head, C: gl.constexpr):
+def _dq_reduce(dq, dq_buf, dq_desc, tma_batch, dq_m, dq_head, C: gl.constexpr, PROBE: gl.constexpr = 0):
     """This warpgroup's fp32 dQ slice (over the CTA's keys) added into dq_accum in L2 by a
     TMA reduce-add through its staging tile (scaled on the host)."""
     BM: gl.constexpr = dq.shape[0]
     DQN: gl.constexpr = dq.shape[1]
-    tma.store_wait(0)  # the previous reduce has read dq_buf
-    dq_buf.store(dq)
+    if not (PROBE & 512):
+        tma.store_wait(0)  # the previous reduce has read dq_buf
+    if not (PROBE & 256):
+        dq_buf.store(dq)
     fence_async_shared()
-    tma_reduce_add(dq_desc, [tma_batch, dq_m * BM, dq_head, C * DQN], _tma_view(dq_buf, dq_desc))
+    if PROBE & 1024:
+        tma.async_copy_shared_to_global(dq_desc, [tma_batch, dq_m * BM, dq_head, C * DQN], _tma_view(dq_buf, dq_desc))
+    else:
+        tma_reduce_add(dq_desc, [tma_batch, dq_m * BM, dq_head, C * DQN], _tma_view(dq_buf, dq_desc))
 
 
 @gluon.jit
