@@ -227,6 +227,8 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
             dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
         if not (PROBE & 2):
             _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, PROBE)
+        elif (m >> 31) != 0:  # never at run time: keeps dQ's wgmmas alive
+            _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, 0)
         dk = warpgroup_mma_wait(0, deps=(dk_tok,))
         mbarrier.arrive(free.index(stage))
         return dk, dv
@@ -315,6 +317,8 @@ def _dq_reduce(dq, dq_buf, dq_desc, tma_batch, dq_m, dq_head, C: gl.constexpr, P
     if not (PROBE & 512):
         tma.store_wait(0)  # the previous reduce has read dq_buf
     if not (PROBE & 256):
+        dq_buf.store(dq)
+    elif (dq_m >> 31) != 0:  # never at run time: keeps dQ's wgmmas alive
         dq_buf.store(dq)
     fence_async_shared()
     if PROBE & 1024:
