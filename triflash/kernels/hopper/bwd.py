@@ -154,15 +154,25 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
     # one with an initial value goes first: dP, then S (zero-initialized), one wait for both.
     # With softcap (tanh keeps one more 64x64 tile alive) dP is issued after P instead, so
     # its accumulator is not reserved while P is formed.
-    if not SOFTCAP:
+    SF: gl.constexpr = (PROBE & 4096) != 0 and not SOFTCAP
+    if SF:
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
-        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
-                               - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
-                               is_async=True)
-    mbarrier.wait(q_ready.index(stage), phase)
-    s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
+        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+    else:
+        if not SOFTCAP:
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
+                                   - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
+                                   is_async=True)
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
     lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
     if SOFTCAP:
         t = tanh(s * qk_scale)
@@ -196,6 +206,8 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
     else:
         dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=(dp_tok,))
+    if SF:
+        dp = dp - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0)
     ds = to_16bit(p * dp, dtype)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ and not (PROBE & 8):
         if DQ_LAG:
@@ -225,11 +237,15 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
             dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
-        if not (PROBE & 2):
+        if PROBE & 2048:
+            dk = warpgroup_mma_wait(0, deps=(dk_tok,))
             _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, PROBE)
-        elif (m >> 31) != 0:  # never at run time: keeps dQ's wgmmas alive
-            _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, 0)
-        dk = warpgroup_mma_wait(0, deps=(dk_tok,))
+        else:
+            if not (PROBE & 2):
+                _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, PROBE)
+            elif (m >> 31) != 0:  # never at run time: keeps dQ's wgmmas alive
+                _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, 0)
+            dk = warpgroup_mma_wait(0, deps=(dk_tok,))
         mbarrier.arrive(free.index(stage))
         return dk, dv
     if PROBE & 32:
