@@ -214,7 +214,6 @@ class HopperBwdConfig:
     # 478.2. Dispatched at 64 (a second set of rounds: 434.1 -> 451.7 / 410.7 -> 435.5,
     # probes/bwd-probe-rounds-d64-ac47225.json at fb45c0d).
     dq_lag: bool = False
-    probe: int = 0  # PROBE ONLY (leave-out bits, hopper.bwd._bwd_step)
     # (Not kept: ``dq_alt``, the warpgroups taking turns at whole dQ row blocks: slower,
     # docs/performance.md.)
     # (Every tile with the in-kernel dQ: each query block's dQ wgmmas issued before its dK

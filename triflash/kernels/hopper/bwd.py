@@ -107,7 +107,6 @@ class BwdMeta(NamedTuple):
     REG_A: int             # configs.HopperBwdConfig.reg_a
     SPLIT: int             # > 1: the last wave's key tiles in SPLIT pieces (tail_pieces)
     DQ_LAG: bool = False   # the in-kernel dQ one block later
-    PROBE: int = 0         # PROBE ONLY: 1 no exp, 2 no dQ out, 4 no dQ wgmma, 8 no dQ, 16 no mask, 32 no dK mma, 64 no dV mma
 
 
 @gluon.jit
@@ -131,7 +130,6 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
     SOFTCAP: gl.constexpr = META.SOFTCAP
     ATOMIC_DQ: gl.constexpr = META.ATOMIC_DQ
     DQ_LAG: gl.constexpr = META.DQ_LAG
-    PROBE: gl.constexpr = META.PROBE
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -154,34 +152,22 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
     # one with an initial value goes first: dP, then S (zero-initialized), one wait for both.
     # With softcap (tanh keeps one more 64x64 tile alive) dP is issued after P instead, so
     # its accumulator is not reserved while P is formed.
-    SF: gl.constexpr = (PROBE & 4096) != 0 and not SOFTCAP
-    if SF:
-        mbarrier.wait(q_ready.index(stage), phase)
-        s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
+    if not SOFTCAP:
         mbarrier.wait(do_ready.index(stage), phase)
-        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
-                               use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-    else:
-        if not SOFTCAP:
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
-                                   - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
-                                   is_async=True)
-        mbarrier.wait(q_ready.index(stage), phase)
-        s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        dp_tok = warpgroup_mma(v_buf, do_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout)
+                               - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
+                               is_async=True)
+    mbarrier.wait(q_ready.index(stage), phase)
+    s_tok = warpgroup_mma(k_buf, q_buf.permute((1, 0)), gl.zeros([KR, BM], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
     lse = gl.expand_dims(lse_ring.index(stage).load(col_layout), 0)
     if SOFTCAP:
         t = tanh(s * qk_scale)
         p = gl.exp2(t * softcap_log2 - lse)
-    elif PROBE & 1:
-        p = s * qk_scale - lse
     else:
         p = gl.exp2(s * qk_scale - lse)
-    if MASK and not (PROBE & 16):
+    if MASK:
         # common.visible on (key - query) differences, compared with scalars: the per-element
         # thresholds (query + shift + right ...) would otherwise be hoisted out of the loop.
         # (m >> 31 is 0 but opaque to LLVM, see the dQ addresses below.)
@@ -200,16 +186,10 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
                                - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0),
                                is_async=True)
     # dV += P^T dO, P^T from registers
-    if PROBE & 64:
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-        dv_tok = dv
-    else:
-        dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-        dp = warpgroup_mma_wait(1, deps=(dp_tok,))
-    if SF:
-        dp = dp - gl.expand_dims(delta_ring.index(stage).load(col_layout), 0)
+    dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+    dp = warpgroup_mma_wait(1, deps=(dp_tok,))
     ds = to_16bit(p * dp, dtype)  # dS^T = P^T (dP^T - Delta)
-    if ATOMIC_DQ and not (PROBE & 8):
+    if ATOMIC_DQ:
         if DQ_LAG:
             # Four slots, block it in slot (it + 1) % 4 (slot 0 holds the zeros of a block
             # before the first, ``_dq_lag_start``). Once both warpgroups wrote block it - 1,
@@ -226,33 +206,19 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
         ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
-    if ATOMIC_DQ and not (PROBE & 8) and not (PROBE & 4):
+    if ATOMIC_DQ:
         # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
         # and reduces dQ while dK's wgmma runs (dQ after dK: docs/performance.md, "Tried and
         # not kept").
         dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
-        if PROBE & 32:
-            dk_tok = dk
-            dv, dq = warpgroup_mma_wait(0, deps=(dv_tok, dq_tok))
-        else:
-            dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-            dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
-        if PROBE & 2048:
-            dk = warpgroup_mma_wait(0, deps=(dk_tok,))
-            _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, PROBE)
-        else:
-            if not (PROBE & 2):
-                _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, PROBE)
-            elif (m >> 31) != 0:  # never at run time: keeps dQ's wgmmas alive
-                _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG, 0)
-            dk = warpgroup_mma_wait(0, deps=(dk_tok,))
+        dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
+        dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
+        _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
+        dk = warpgroup_mma_wait(0, deps=(dk_tok,))
         mbarrier.arrive(free.index(stage))
         return dk, dv
-    if PROBE & 32:
-        dv = warpgroup_mma_wait(0, deps=(dv_tok,))
-    else:
-        dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
     # Every wgmma reading Q, dO, LSE and Delta of this slot has retired (the statistics are
     # in registers by now): one arrival per warpgroup.
     mbarrier.arrive(free.index(stage))
@@ -271,16 +237,15 @@ def _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM: gl.constexpr, C: gl.constex
 
 
 @gluon.jit
-def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.constexpr, DQ_LAG: gl.constexpr,
-            PROBE: gl.constexpr = 0):
+def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.constexpr, DQ_LAG: gl.constexpr):
     """A step's dQ slice into dq_accum (``_dq_reduce``): query block ``m`` of ``head``, or
     with ``DQ_LAG`` the block before (the last of the head before for the head's first)."""
     if DQ_LAG:
         if it > 0:  # (the first step's is the zero block's)
             first = (m == m_min).to(gl.int32)
-            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C, PROBE)
+            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
     else:
-        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C, PROBE)
+        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
 
 
 @gluon.jit
@@ -295,12 +260,12 @@ def _dq_lag_start(ds_bufs, ds_bars, KR: gl.constexpr, BM: gl.constexpr, layout: 
 
 @gluon.jit
 def _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_buf, dq_desc, tma_batch, steps, prev_m, prev_head,
-                BM: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0):
+                BM: gl.constexpr, C: gl.constexpr):
     """``DQ_LAG``: the dQ of the CTA's last block (``steps`` blocks in all; in slot steps % 4)."""
     mbarrier.wait(ds_bars.index(steps & 3), (steps >> 2) & 1)
     dq = warpgroup_mma_wait(0, deps=(_dq_wgmmas(ds_bufs, k_bufs, steps & 3, BM, C),))
-    if steps > 0 and not (PROBE & 2):
-        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, prev_m, prev_head, C, PROBE)
+    if steps > 0:
+        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, prev_m, prev_head, C)
 
 
 @gluon.jit
@@ -325,22 +290,15 @@ def _dq_wgmmas(ds_bufs, k_bufs, dslot, BM: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
-def _dq_reduce(dq, dq_buf, dq_desc, tma_batch, dq_m, dq_head, C: gl.constexpr, PROBE: gl.constexpr = 0):
+def _dq_reduce(dq, dq_buf, dq_desc, tma_batch, dq_m, dq_head, C: gl.constexpr):
     """This warpgroup's fp32 dQ slice (over the CTA's keys) added into dq_accum in L2 by a
     TMA reduce-add through its staging tile (scaled on the host)."""
     BM: gl.constexpr = dq.shape[0]
     DQN: gl.constexpr = dq.shape[1]
-    if not (PROBE & 512):
-        tma.store_wait(0)  # the previous reduce has read dq_buf
-    if not (PROBE & 256):
-        dq_buf.store(dq)
-    elif (dq_m >> 31) != 0:  # never at run time: keeps dQ's wgmmas alive
-        dq_buf.store(dq)
+    tma.store_wait(0)  # the previous reduce has read dq_buf
+    dq_buf.store(dq)
     fence_async_shared()
-    if PROBE & 1024:
-        tma.async_copy_shared_to_global(dq_desc, [tma_batch, dq_m * BM, dq_head, C * DQN], _tma_view(dq_buf, dq_desc))
-    else:
-        tma_reduce_add(dq_desc, [tma_batch, dq_m * BM, dq_head, C * DQN], _tma_view(dq_buf, dq_desc))
+    tma_reduce_add(dq_desc, [tma_batch, dq_m * BM, dq_head, C * DQN], _tma_view(dq_buf, dq_desc))
 
 
 @gluon.jit
@@ -444,7 +402,7 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, META: g
                                    tma_batch, len_q, len_k, scalars, bounds, META, seg != 1, C)
     if DQ_LAG:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
-                    m_max - 1, head_kv * group + group - 1, BM, C, META.PROBE)
+                    m_max - 1, head_kv * group + group - 1, BM, C)
     if ATOMIC_DQ:
         # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
         # epilogue overwrites: both arrive (count 2) once theirs have retired.
@@ -605,7 +563,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
                    SOFTCAP=params.softcap > 0.0, ATOMIC_DQ=atomic_dq, IS_VARLEN=pb.seq_flags[0],
                    HAS_SEQUSED_Q=pb.seq_flags[1], HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS,
                    CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=q.shape[-1], REG_A=cfg.reg_a_for(params.softcap),
-                   SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq, PROBE=cfg.probe)
+                   SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq)
     return [descriptor(q, BLOCK_M, d), descriptor(k, kr, d), descriptor(v, kr, d), descriptor(dout, BLOCK_M, d),
             descriptor(dk, kr, d), descriptor(dv, kr, d), stat_descriptor(stat), stat_descriptor(delta),
             dk, (dk.stride(1), dk.stride(2)), dv, (dv.stride(1), dv.stride(2)),
