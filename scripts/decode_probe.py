@@ -23,6 +23,7 @@ CASES = [  # batch, cache len, hq, hkv, d, page, seqlen_q
     (8, 32768, 32, 8, 128, None, 1), (64, 8192, 32, 8, 128, 1, 1), (64, 8192, 32, 8, 64, None, 1),
     (64, 8192, 32, 8, 128, None, 1, "ragged"), (64, 8192, 32, 8, 128, 64, 1, "ragged"),
     (256, 2048, 32, 8, 128, None, 1), (64, 8192, 32, 8, 128, 16, 1, "ragged"),
+    (64, 8192, 32, 8, 128, 256, 1),
 ]
 
 
@@ -130,7 +131,7 @@ def main():
         kernel = decode.decode_kernel
         splits = [0] + [int(x) for x in a.splits.split(",") if x]  # 0: the plan's heuristic
         for cfg in cfgs:
-            decode.config = orig if cfg is None else (lambda t, d_, dv_, pg, c=cfg: c)
+            decode.config = orig if cfg is None else (lambda *a, c=cfg, **kw: c)
             tag = "default" if cfg is None else f"{cfg.block_n}x{cfg.num_warps}x{cfg.num_stages}"
             for vname, mod in [("", None)] + variants:
                 decode.decode_kernel = kernel if mod is None else mod.decode_kernel

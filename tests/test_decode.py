@@ -44,6 +44,8 @@ CASES = [
     (3, 200, 6, 2, 256, 256, 1, None, "causal", 30.0, 4),   # head dim 256, softcap
     (2, 129, 2, 2, 64, 32, 5, 4, "causal", 0.0, 0),         # headdim_v != headdim
     (2, 64, 16, 4, 64, 64, 16, None, "causal", 0.0, 2),     # 64 rows: the most one tile packs
+    (2, 700, 8, 2, 128, 128, 1, 256, "causal", 0.0, 0),     # pages holding whole dense key blocks
+    (3, 333, 4, 1, 64, 64, 2, 128, "none", 0.0, 3),         # the same with splits
 ]
 MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (True, (37, 0))}
 
@@ -138,8 +140,8 @@ def test_split_plan():
     assert many.splits == 1
     slots = 132 * decode.ctas_per_sm(one_seq.cfg, 128, 128)
     assert 0.95 * slots <= 8 * one_seq.splits <= slots
-    assert decode.plan("sm90", cpu, 1, 1, 131072, 32, 8, 128, 128, False, 7).splits == 7
-    assert decode.plan("sm90", cpu, 1, 1, 100, 32, 8, 128, 128, False, 100).splits == 1  # one key block
+    assert decode.plan("sm90", cpu, 1, 1, 131072, 32, 8, 128, 128, 0, 7).splits == 7
+    assert decode.plan("sm90", cpu, 1, 1, 100, 32, 8, 128, 128, 0, 100).splits == 1  # one key block
     assert decode.num_splits_for(8, 10, 264) <= 10 // decode.MIN_BLOCKS_PER_SPLIT
 
 
@@ -182,7 +184,7 @@ def test_graph_replay_equals_eager(page):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
-    assert decode.plan("sm90", q.device, batch, 1, cap, h, hk, d, d, page is not None).splits > 1 or page
+    assert decode.plan("sm90", q.device, batch, 1, cap, h, hk, d, d, page or 0).splits > 1 or page
 
 
 def _toolchain_problem():

@@ -357,7 +357,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     if dispatch.decodes(max_seqlen_q, num_heads_q, num_heads_kv, batch_size):
         splits = decode_plan(dispatch.target_of(device), device, int(batch_size), max_seqlen_q,
                              int(max_seqlen_k), int(num_heads_q), int(num_heads_kv), int(headdim),
-                             int(headdim_v), page_size is not None, max(int(num_splits), 0)).splits
+                             int(headdim_v), int(page_size or 0), max(int(num_splits), 0)).splits
     return torch.tensor([splits], dtype=torch.int32, device=device)
 
 

@@ -59,6 +59,7 @@ class DecodeMeta(NamedTuple):
     HAS_K_START: bool     # cache_leftpad
     PAGED: bool           # page_table
     SPLIT: bool           # shares merged by decode_combine_kernel
+    PAGE_BLOCK: bool = False  # paged, every key block inside one page: one page-table read per block
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -69,8 +70,10 @@ MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4
 
 
-def config(target: str, headdim: int, headdim_v: int, paged: bool, split: bool = True) -> DecodeConfig:
-    """The tile of a decode launch; ``split``: the plan cuts the tiles' keys into shares."""
+def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split: bool = True) -> DecodeConfig:
+    """The tile of a decode launch over a cache with pages of ``page_size`` rows (0: dense);
+    ``split``: the plan cuts the tiles' keys into shares. Where the pages hold whole key
+    blocks of a dense tile, the dense tile is taken (``page_block``)."""
     if target == "interpret":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     # (block_n x warps x stages) measured on the H200 with CUDA-graph replay, K+V TB/s
@@ -84,11 +87,18 @@ def config(target: str, headdim: int, headdim_v: int, paged: bool, split: bool =
     # split one 128x8x3.
     if max(headdim, headdim_v) > 128:
         return DecodeConfig(block_n=64, num_warps=8, num_stages=3)
-    if paged:  # rows gathered through the page table: narrower steps, more of them in flight
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=6)
+    if page_size and page_size % 128:  # rows gathered through the page table: narrower steps,
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=6)  # more of them in flight
     if not split and headdim == headdim_v == 128:
         return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=128, num_warps=8, num_stages=3)
+
+
+def page_block(page_size: int, block_n: int, has_k_start: bool) -> bool:
+    """Whether every key block of ``block_n`` keys lies inside one page of ``page_size`` rows
+    (the sequence's keys starting at its first row: no ``cache_leftpad``): then a block's rows
+    are one page-table read and contiguous rows of that page, as in a dense cache."""
+    return page_size > 0 and page_size % block_n == 0 and not has_k_start
 
 
 def ctas_per_sm(cfg: DecodeConfig, headdim: int, headdim_v: int) -> int:
@@ -151,8 +161,9 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headdim, headdim_v,
-         paged=False, num_splits=0) -> Plan:
-    cfg = config(target, headdim, headdim_v, paged)
+         page_size=0, num_splits=0) -> Plan:
+    """``page_size``: rows per page of a paged cache, 0 for a dense one."""
+    cfg = config(target, headdim, headdim_v, page_size)
     group = nheads // nheads_kv
     bm = block_m(max_seqlen_q, group)
     m_tiles = ceil_div(max_seqlen_q * group, bm)
@@ -160,7 +171,7 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
     slots = _num_sms(device) * ctas_per_sm(cfg, headdim, headdim_v)
     splits = num_splits_for(tiles, ceil_div(capacity, cfg.block_n), slots, num_splits)
     if splits == 1:  # (the same CTAs per SM: the split count stands)
-        cfg = config(target, headdim, headdim_v, paged, split=False)
+        cfg = config(target, headdim, headdim_v, page_size, split=False)
     return Plan(bm, m_tiles, splits, cfg)
 
 
@@ -181,6 +192,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     SOFTCAP: tl.constexpr = META.SOFTCAP
     UPCAST: tl.constexpr = META.UPCAST
     PAGED: tl.constexpr = META.PAGED
+    PAGE_BLOCK: tl.constexpr = META.PAGE_BLOCK
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -188,7 +200,14 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     v_cols = offs_dv[None, :] < HEADDIM_V
     for n_block in range(lo, hi):
         offs_n = n_block * BLOCK_N + offs_n0
-        if PAGED:  # one page-table read per key serves K and V
+        if PAGE_BLOCK:  # the block inside one page (k_first = 0): one page-table read
+            first = n_block * BLOCK_N
+            blk = tl.load(page_row + first // page_size)
+            blk = tl.minimum(tl.maximum(blk, 0), num_kv_blocks - 1).to(tl.int64)
+            row = (first % page_size + offs_n0).to(tl.int64)
+            k_ptrs = k_base + blk * stride_kb + row[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = v_base + blk * stride_vb + row[:, None] * stride_vn + offs_dv[None, :]
+        elif PAGED:  # one page-table read per key serves K and V
             blk, row = paged_rows(page_row, k_first + offs_n, offs_n < len_k, page_size, num_kv_blocks)
             k_ptrs = k_base + (blk * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
             v_ptrs = v_base + (blk * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
@@ -398,8 +417,9 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     if batch == 0 or p.max_seqlen_q == 0 or nheads == 0:
         return out, lse
     group = nheads // nheads_kv
-    paged = cache is not None and cache.page_table is not None
-    pl = plan(target, q.device, batch, p.max_seqlen_q, p.max_seqlen_k, nheads, nheads_kv, d, dv, paged, num_splits)
+    page_size = k.shape[1] if cache is not None and cache.page_table is not None else 0
+    pl = plan(target, q.device, batch, p.max_seqlen_q, p.max_seqlen_k, nheads, nheads_kv, d, dv, page_size,
+              num_splits)
     block_dv = max(16, triton.next_power_of_2(dv))
     split = pl.splits > 1
     tiles = batch * nheads_kv * pl.m_tiles
@@ -416,7 +436,8 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     kv_batch, k_start, page_table, *paging = cache_args
     meta = DecodeMeta(group, d, dv, pl.block_m, pl.cfg.block_n, max(16, triton.next_power_of_2(d)), block_dv,
                       varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
-                      upcast, SPLIT=split, **cache_flags)
+                      upcast, SPLIT=split, **cache_flags,
+                      PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]))
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
