@@ -46,6 +46,7 @@ CASES = [
     (2, 64, 16, 4, 64, 64, 16, None, "causal", 0.0, 2),     # 64 rows: the most one tile packs
     (2, 700, 8, 2, 128, 128, 1, 256, "causal", 0.0, 0),     # pages holding whole dense key blocks
     (3, 333, 4, 1, 64, 64, 2, 128, "none", 0.0, 3),         # the same with splits
+    (2, 150, 8, 2, 64, 64, 1, 24, "causal", 0.0, 2),        # a page size not a power of two
 ]
 MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (True, (37, 0))}
 

@@ -60,6 +60,7 @@ class DecodeMeta(NamedTuple):
     PAGED: bool           # page_table
     SPLIT: bool           # shares merged by decode_combine_kernel
     PAGE_BLOCK: bool = False  # paged, every key block inside one page: one page-table read per block
+    PAGE_SIZE: int = 0        # paged: the page size when a power of two (shifts, not divisions), else 0
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -84,11 +85,18 @@ def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split:
     # 4.27, 64x4x4 3.07 / 3.59 / 3.32. Dense 256 x 2048 (one share per tile; probes/
     # decode-splits-cfg-bbc4951.json at 6b96f5f): 128x8x3 4.17, 128x4x2 4.44, 64x8x3 4.37,
     # 64x4x4 4.35 (SDPA-cuDNN 4.47). So at head dim 128 an unsplit launch takes 128x4x2, a
-    # split one 128x8x3.
+    # split one 128x8x3. Paged, the page size a compile-time power of two (``PAGE_SIZE``;
+    # probes/decode-pagesize-constexpr-p*-302815e.json), pages of 64 / 16 / 1: 128x4x2 4.38 /
+    # 4.28 / 4.32, ragged pages of 64 / 16 3.50 / 3.47 (32x4x6 with the page size at run time:
+    # 4.36 / 4.25 / 4.30, ragged 3.34 / 2.65); pages of 256 (``page_block``, whole 128-key
+    # blocks per page; probes/decode-pageblock-302815e.json): 128x4x2 4.45, gathered per key
+    # 4.06 (dense cache 4.48, SDPA-cuDNN 4.46).
     if max(headdim, headdim_v) > 128:
         return DecodeConfig(block_n=64, num_warps=8, num_stages=3)
-    if page_size and page_size % 128:  # rows gathered through the page table: narrower steps,
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=6)  # more of them in flight
+    if page_size and page_size % 128:  # rows gathered through the page table
+        if not split and headdim == headdim_v == 128 and page_size & (page_size - 1) == 0:
+            return DecodeConfig(block_n=128, num_warps=4, num_stages=2)  # (a constexpr page size)
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=6)  # narrower steps, more in flight
     if not split and headdim == headdim_v == 128:
         return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=128, num_warps=8, num_stages=3)
@@ -181,6 +189,8 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     """Online softmax over key blocks [lo, hi); ``tok``: each row's query token (masks)."""
     stride_kn, stride_vn, stride_kb, stride_vb = kv_strides
     _, page_size, num_kv_blocks = paging
+    if META.PAGE_SIZE > 0:  # a power of two known at compile time: row // page_size is a shift
+        page_size = META.PAGE_SIZE
     qk_scale, softcap_log2, window_left, window_right = score
     HEADDIM: tl.constexpr = META.HEADDIM
     HEADDIM_V: tl.constexpr = META.HEADDIM_V
@@ -437,7 +447,8 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     meta = DecodeMeta(group, d, dv, pl.block_m, pl.cfg.block_n, max(16, triton.next_power_of_2(d)), block_dv,
                       varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
                       upcast, SPLIT=split, **cache_flags,
-                      PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]))
+                      PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]),
+                      PAGE_SIZE=page_size if page_size & (page_size - 1) == 0 else 0)
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
