@@ -86,11 +86,11 @@ def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split:
     # decode-splits-cfg-bbc4951.json at 6b96f5f): 128x8x3 4.17, 128x4x2 4.44, 64x8x3 4.37,
     # 64x4x4 4.35 (SDPA-cuDNN 4.47). So at head dim 128 an unsplit launch takes 128x4x2, a
     # split one 128x8x3. Paged, the page size a compile-time power of two (``PAGE_SIZE``;
-    # probes/decode-pagesize-constexpr-p*-302815e.json), pages of 64 / 16 / 1: 128x4x2 4.38 /
-    # 4.28 / 4.32, ragged pages of 64 / 16 3.50 / 3.47 (32x4x6 with the page size at run time:
-    # 4.36 / 4.25 / 4.30, ragged 3.34 / 2.65); pages of 256 (``page_block``, whole 128-key
-    # blocks per page; probes/decode-pageblock-302815e.json): 128x4x2 4.45, gathered per key
-    # 4.06 (dense cache 4.48, SDPA-cuDNN 4.46).
+    # probes/decode-pagesize-constexpr-p*-302815e.json at d150566), pages of 64 / 16 / 1:
+    # 128x4x2 4.38 / 4.28 / 4.32, ragged pages of 64 / 16 3.50 / 3.47 (32x4x6 with the page
+    # size at run time: 4.36 / 4.25 / 4.30, ragged 3.34 / 2.65); pages of 256 (``page_block``,
+    # whole 128-key blocks per page; probes/decode-pageblock-302815e.json at d150566): 128x4x2
+    # 4.45, per key 4.06 (dense cache 4.48, SDPA-cuDNN 4.46).
     if max(headdim, headdim_v) > 128:
         return DecodeConfig(block_n=64, num_warps=8, num_stages=3)
     if page_size and page_size % 128:  # rows gathered through the page table
