@@ -60,7 +60,7 @@ class DecodeMeta(NamedTuple):
     PAGED: bool           # page_table
     SPLIT: bool           # shares merged by decode_combine_kernel
     PAGE_BLOCK: bool = False  # paged, every key block inside one page: one page-table read per block
-    PAGE_SIZE: int = 0        # paged: the page size when a power of two (shifts, not divisions), else 0
+    PAGE_SIZE: int = 0        # paged: the page size when a power of two (static_page_size), else 0
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -73,8 +73,9 @@ MIN_BLOCKS_PER_SPLIT = 4
 
 def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split: bool = True) -> DecodeConfig:
     """The tile of a decode launch over a cache with pages of ``page_size`` rows (0: dense);
-    ``split``: the plan cuts the tiles' keys into shares. Where the pages hold whole key
-    blocks of a dense tile, the dense tile is taken (``page_block``)."""
+    ``split``: the plan cuts the tiles' keys into shares. Pages that hold whole 128-key blocks
+    (``page_block``) and, unsplit at head dim 128, pages of a power-of-two size (its divisions
+    compiled as shifts: ``static_page_size``) take the dense tiles."""
     if target == "interpret":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     # (block_n x warps x stages) measured on the H200 with CUDA-graph replay, K+V TB/s
@@ -94,12 +95,19 @@ def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split:
     if max(headdim, headdim_v) > 128:
         return DecodeConfig(block_n=64, num_warps=8, num_stages=3)
     if page_size and page_size % 128:  # rows gathered through the page table
-        if not split and headdim == headdim_v == 128 and page_size & (page_size - 1) == 0:
-            return DecodeConfig(block_n=128, num_warps=4, num_stages=2)  # (a constexpr page size)
+        if not split and headdim == headdim_v == 128 and static_page_size(page_size):
+            return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
         return DecodeConfig(block_n=32, num_warps=4, num_stages=6)  # narrower steps, more in flight
     if not split and headdim == headdim_v == 128:
         return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=128, num_warps=8, num_stages=3)
+
+
+def static_page_size(page_size: int) -> int:
+    """The page size the kernel is compiled for (``DecodeMeta.PAGE_SIZE``): a power of two, so
+    that a key's page and row are a shift and a mask; 0 (any other size, or a dense cache):
+    read at run time."""
+    return page_size if page_size > 0 and page_size & (page_size - 1) == 0 else 0
 
 
 def page_block(page_size: int, block_n: int, has_k_start: bool) -> bool:
@@ -448,7 +456,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
                       varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
                       upcast, SPLIT=split, **cache_flags,
                       PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]),
-                      PAGE_SIZE=page_size if page_size & (page_size - 1) == 0 else 0)
+                      PAGE_SIZE=static_page_size(page_size))
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
