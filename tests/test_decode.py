@@ -123,6 +123,45 @@ def test_varlen_queries_and_cache_forms():
     assert q_lens == [e - s for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_longest_first_order(num_splits, monkeypatch):
+    """Ragged lengths with ties and empty sequences: the programs take the sequences
+    longest first (``decode.longest_first``), and every sequence's every head is still computed
+    once, into its own rows (outputs poisoned before the call)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    batch, cap, h, hk, d = 37, 90, 4, 2, 64
+    q = torch.randn(batch, 1, h, d, device=DEVICE, generator=gen).half()
+    k = torch.randn(batch, cap, hk, d, device=DEVICE, generator=gen).half()
+    v = torch.randn(batch, cap, hk, d, device=DEVICE, generator=gen).half()
+    lens = torch.randint(0, cap + 1, (batch,), device=DEVICE, generator=gen).to(torch.int32)
+    lens[3:9] = 41  # ties
+    lens[10], lens[20], lens[30] = cap, 0, cap
+    metas = []
+    real = decode.decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: metas.append(kw["META"]) or real[grid](*a, **kw)
+    monkeypatch.setattr(decode, "decode_kernel", Spy())
+    poison = torch.full((batch, 1, h, d), float("nan"), dtype=q.dtype, device=DEVICE)
+    real_alloc = decode.alloc_fwd_outputs
+    monkeypatch.setattr(decode, "alloc_fwd_outputs",
+                        lambda *a: (lambda o, l: (o.copy_(poison), l.fill_(float("nan"))))(*real_alloc(*a)))
+    out, lse = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=num_splits,
+                                                return_softmax_lse=True)
+    assert [m.BLOCK_B for m in metas] == [64]
+    for b in range(batch):
+        n = int(lens[b])
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()
+            continue
+        ref, lse_ref = attention_ref(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+        lowp, _ = attention_ref(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], upcast=False)
+        assert_forward_matches(out[b:b + 1], lse[b:b + 1], ref, lse_ref, lowp, 0.0)
+    assert decode.longest_first(37, False) == 0 and decode.longest_first(1, True) == 0
+    assert decode.longest_first(decode.MAX_ORDERED_BATCH + 1, True) == 0
+
+
 def test_dispatch_decode_or_prefill():
     """Decoding-sized calls (query tokens x GQA group <= decode.MAX_ROWS per KV head) take the
     decode kernel; longer ones the prefill kernels."""

@@ -7,6 +7,10 @@ bytes it streams per second. Two things make a launch stream at the card's bandw
 * **packed GQA**: the query heads of one KV head are rows of one tile (row r of a tile is
   query token r // GROUP of query head ``head_kv * GROUP + r % GROUP``), so each K/V block
   is read once per KV head, not once per query head;
+* **longest first**: with per-sequence key counts (``cache_seqlens``) the programs take
+  the sequences in order of decreasing length (``longest_first``), so the GPU, which starts
+  CTAs in program order, starts the longest work first and a ragged batch's tail is made of
+  short sequences;
 * **split keys**: when batch x KV heads x query tiles leaves SMs idle, each tile's key
   blocks are cut into ``num_splits`` equal shares, one program each. A share leaves its rows'
   output normalized by its own row sums (fp32) and their natural-log log-sum-exps in a
@@ -61,6 +65,7 @@ class DecodeMeta(NamedTuple):
     SPLIT: bool           # shares merged by decode_combine_kernel
     PAGE_BLOCK: bool = False  # paged, every key block inside one page: one page-table read per block
     PAGE_SIZE: int = 0        # paged: the page size when a power of two (static_page_size), else 0
+    BLOCK_B: int = 0          # > 0: sequences taken longest first (``longest_first``), batch <= BLOCK_B
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -69,6 +74,8 @@ MAX_ROWS = 64
 # Splits per tile at most (the combine loops over them) and keys per split at least.
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4
+# Batches up to this size with per-sequence lengths run their sequences longest first.
+MAX_ORDERED_BATCH = 128
 
 
 def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split: bool = True) -> DecodeConfig:
@@ -115,6 +122,18 @@ def page_block(page_size: int, block_n: int, has_k_start: bool) -> bool:
     (the sequence's keys starting at its first row: no ``cache_leftpad``): then a block's rows
     are one page-table read and contiguous rows of that page, as in a dense cache."""
     return page_size > 0 and page_size % block_n == 0 and not has_k_start
+
+
+def longest_first(batch: int, has_seqused_k: bool) -> int:
+    """``DecodeMeta.BLOCK_B``: with per-sequence key counts (``cache_seqlens``) the programs
+    take the sequences in order of decreasing length, so the GPU, which starts CTAs in
+    program order, schedules the longest work first and a ragged batch does not end on one
+    long sequence's CTAs (longest-processing-time-first). Each program finds its sequence
+    from the key counts itself (``_by_length``: no sort launch, graph-safe); 0: program order
+    (no counts, one sequence, or batches over ``MAX_ORDERED_BATCH``)."""
+    if not has_seqused_k or batch < 2 or batch > MAX_ORDERED_BATCH:
+        return 0
+    return max(16, triton.next_power_of_2(batch))
 
 
 def ctas_per_sm(cfg: DecodeConfig, headdim: int, headdim_v: int) -> int:
@@ -253,6 +272,23 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
 
 
 @triton.jit
+def _by_length(seqused_k, rank, batch, BLOCK_B: tl.constexpr):
+    """The sequence that is ``rank``-th in decreasing order of ``seqused_k[:batch]`` (ties in
+    index order): sequence i's place is the count of sequences longer than it plus the equal
+    ones before it, a permutation of 0 .. batch - 1."""
+    CHUNK: tl.constexpr = 32 if BLOCK_B > 32 else BLOCK_B
+    i = tl.arange(0, BLOCK_B)
+    len_i = tl.maximum(tl.load(seqused_k + i, mask=i < batch, other=0), 0)
+    place = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for j0 in tl.static_range(0, BLOCK_B, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        len_j = tl.maximum(tl.load(seqused_k + j, mask=j < batch, other=0), 0)
+        ahead = (len_j[None, :] > len_i[:, None]) | ((len_j[None, :] == len_i[:, None]) & (j[None, :] < i[:, None]))
+        place += tl.sum((ahead & (j < batch)[None, :]).to(tl.int32), axis=1)
+    return tl.sum(tl.where((place == rank) & (i < batch), i, 0), axis=0)
+
+
+@triton.jit
 def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_v, stride_o, stride_lse,
                   cu_seqlens_q, seqused_k, KV_BATCH, K_START, PAGE_TABLE, paging, sizes, score,
                   META: tl.constexpr):
@@ -289,6 +325,9 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     bh = tl.program_id(2)
     batch = bh // nheads_kv
     head_kv = bh % nheads_kv
+    if META.BLOCK_B > 0:  # the programs' sequences longest first (``longest_first``)
+        batch = _by_length(seqused_k, batch, tl.num_programs(2) // nheads_kv, META.BLOCK_B)
+        bh = batch * nheads_kv + head_kv
     start_q, len_q, _, len_k = seqlen_info(batch, seqlen_q, seqlen_k, total_q, 0, cu_seqlens_q,
                                            cu_seqlens_q, seqused_k, seqused_k, IS_VARLEN, False,
                                            HAS_SEQUSED_K, True)
@@ -456,7 +495,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
                       varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
                       upcast, SPLIT=split, **cache_flags,
                       PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]),
-                      PAGE_SIZE=static_page_size(page_size))
+                      PAGE_SIZE=static_page_size(page_size), BLOCK_B=longest_first(batch, seqused_k is not None))
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
