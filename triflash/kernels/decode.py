@@ -211,6 +211,12 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
 
 
 @triton.jit
+def _page_entries(page_row, k_first, offs_n, len_k, page_size):
+    """The page-table entries of a sequence's keys ``offs_n`` (0 past ``len_k``)."""
+    return tl.load(page_row + (k_first + offs_n) // page_size, mask=offs_n < len_k, other=0)
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, len_k, k_first, page_row,
             paging, score, MASK: tl.constexpr, META: tl.constexpr):
     """Online softmax over key blocks [lo, hi); ``tok``: each row's query token (masks)."""
@@ -235,9 +241,20 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     offs_dv = tl.arange(0, BLOCK_DV)
     k_cols = offs_d[None, :] < HEADDIM
     v_cols = offs_dv[None, :] < HEADDIM_V
+    # Paged per key: each block's page-table entries are read one block ahead, so a block's
+    # K / V addresses do not wait on a page-table read of their own.
+    AHEAD: tl.constexpr = PAGED and not PAGE_BLOCK
+    if AHEAD:
+        nxt = _page_entries(page_row, k_first, lo * BLOCK_N + offs_n0, len_k, page_size)
     for n_block in range(lo, hi):
         offs_n = n_block * BLOCK_N + offs_n0
-        if PAGE_BLOCK:  # the block inside one page (k_first = 0): one page-table read
+        if AHEAD:
+            blk = tl.minimum(tl.maximum(nxt, 0), num_kv_blocks - 1).to(tl.int64)
+            row = ((k_first + offs_n) % page_size).to(tl.int64)
+            nxt = _page_entries(page_row, k_first, offs_n + BLOCK_N, len_k, page_size)
+            k_ptrs = k_base + (blk * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
+            v_ptrs = v_base + (blk * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
+        elif PAGE_BLOCK:  # the block inside one page (k_first = 0): one page-table read
             first = n_block * BLOCK_N
             blk = tl.load(page_row + first // page_size)
             blk = tl.minimum(tl.maximum(blk, 0), num_kv_blocks - 1).to(tl.int64)
