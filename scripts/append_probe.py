@@ -16,11 +16,10 @@ dt = dict(device="cuda", dtype=torch.bfloat16)
 kn = torch.randn(1, 2048, 8, 128, **dt); vn = torch.randn_like(kn)
 kc = torch.randn(1, 5625, 8, 128, **dt); vc = torch.randn_like(kc)
 st = torch.tensor([3577], dtype=torch.int32, device="cuda")
-ref = None
 for b, w in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
-    p = K.__file__.replace("kvcache.py", f"_kv{b}_{w}.py")
+    p = K.__file__.replace("kvcache.py", f"_probe_kv{b}_{w}.py")
     open(p, "w").write(src.replace("block_n = 16", f"block_n = {b}").replace("num_warps=4)", f"num_warps={w})"))
-    m = importlib.import_module(f"triflash.kernels._kv{b}_{w}")
+    m = importlib.import_module(f"triflash.kernels._probe_kv{b}_{w}")
     kc[:, 3577:].zero_(); vc[:, 3577:].zero_()
     m.append_kv(kn, vn, kc, vc, st); torch.cuda.synchronize()
     ok = torch.equal(kc[0, 3577:], kn[0]) and torch.equal(vc[0, 3577:], vn[0])

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cache_batch, ceil_div, paged_rows, scores, seqlen_info, softmax_step, to_output, visible
+from .common import cache_batch, ceil_div, scores, seqlen_info, softmax_step, to_output, visible
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
@@ -241,8 +241,8 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     offs_dv = tl.arange(0, BLOCK_DV)
     k_cols = offs_d[None, :] < HEADDIM
     v_cols = offs_dv[None, :] < HEADDIM_V
-    # Paged per key: each block's page-table entries are read one block ahead, so a block's
-    # K / V addresses do not wait on a page-table read of their own.
+    # Paged, a page per key (one page-table read per key serves K and V): each block's
+    # entries are read one block ahead, so its K / V addresses wait on no read of their own.
     AHEAD: tl.constexpr = PAGED and not PAGE_BLOCK
     if AHEAD:
         nxt = _page_entries(page_row, k_first, lo * BLOCK_N + offs_n0, len_k, page_size)
@@ -261,10 +261,6 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
             row = (first % page_size + offs_n0).to(tl.int64)
             k_ptrs = k_base + blk * stride_kb + row[:, None] * stride_kn + offs_d[None, :]
             v_ptrs = v_base + blk * stride_vb + row[:, None] * stride_vn + offs_dv[None, :]
-        elif PAGED:  # one page-table read per key serves K and V
-            blk, row = paged_rows(page_row, k_first + offs_n, offs_n < len_k, page_size, num_kv_blocks)
-            k_ptrs = k_base + (blk * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
-            v_ptrs = v_base + (blk * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
         else:
             k_ptrs = k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
             v_ptrs = v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :]
