@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import torch
 import triflash
 from triflash.kernels import decode

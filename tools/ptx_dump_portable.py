@@ -9,7 +9,7 @@ Head dims 64, 128, 40 x the features plain, causal, all, kvcache, kvcache-varlen
 forward and the backward (preprocess, dK/dV in each mode, dQ: every launch
 tools/sm90_report.all_dispatch_configs lists), the KV-cache append (APPEND_FORMS: dense,
 cache_batch_idx, paged, packed new tokens) and every tools/decode_compile form."""
-import os, re, sys, hashlib
+import os, sys
 sys.path.insert(0, os.getcwd())
 import triton
 from triton.backends.compiler import GPUTarget
