@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cache_batch, ceil_div, scores, seqlen_info, softmax_step, to_output, visible
+from .common import cache_batch, ceil_div, page_entries, paged_at, scores, seqlen_info, softmax_step, to_output, visible
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
@@ -211,12 +211,6 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
 
 
 @triton.jit
-def _page_entries(page_row, k_first, offs_n, len_k, page_size):
-    """The page-table entries of a sequence's keys ``offs_n`` (0 past ``len_k``)."""
-    return tl.load(page_row + (k_first + offs_n) // page_size, mask=offs_n < len_k, other=0)
-
-
-@triton.jit
 def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, len_k, k_first, page_row,
             paging, score, MASK: tl.constexpr, META: tl.constexpr):
     """Online softmax over key blocks [lo, hi); ``tok``: each row's query token (masks)."""
@@ -245,13 +239,13 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     # entries are read one block ahead, so its K / V addresses wait on no read of their own.
     AHEAD: tl.constexpr = PAGED and not PAGE_BLOCK
     if AHEAD:
-        nxt = _page_entries(page_row, k_first, lo * BLOCK_N + offs_n0, len_k, page_size)
+        offs_lo = lo * BLOCK_N + offs_n0
+        nxt = page_entries(page_row, k_first + offs_lo, offs_lo < len_k, page_size)
     for n_block in range(lo, hi):
         offs_n = n_block * BLOCK_N + offs_n0
         if AHEAD:
-            blk = tl.minimum(tl.maximum(nxt, 0), num_kv_blocks - 1).to(tl.int64)
-            row = ((k_first + offs_n) % page_size).to(tl.int64)
-            nxt = _page_entries(page_row, k_first, offs_n + BLOCK_N, len_k, page_size)
+            blk, row = paged_at(nxt, k_first + offs_n, page_size, num_kv_blocks)
+            nxt = page_entries(page_row, k_first + offs_n + BLOCK_N, offs_n + BLOCK_N < len_k, page_size)
             k_ptrs = k_base + (blk * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
             v_ptrs = v_base + (blk * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
         elif PAGE_BLOCK:  # the block inside one page (k_first = 0): one page-table read
