@@ -98,8 +98,10 @@ def test_forward_walks():
     walking tile, tile + grid, ... (two Q slots) on a dense batch without causal / window
     mask and seqused (every tile the same length) where the tile says ``persistent_unmasked``;
     under a causal / window mask on a dense batch, persistent CTAs on the host's
-    longest-first schedule; everywhere else (varlen, seqused, too many tiles) one CTA per
-    tile, which the hardware balances."""
+    longest-first schedule, also with ``seqused_k`` alone (a KV cache's key counts shift every
+    tile's keys by the same count: the dense tiles, in the same order); everywhere else
+    (varlen, seqused_q, seqused_k unmasked, too many tiles) one CTA per tile, which the
+    hardware balances."""
     import dataclasses
 
     import torch
@@ -117,7 +119,11 @@ def test_forward_walks():
         return fwd.walk(cfg, p, Problem(q, k, p, **seq), tiles)
     assert how() == "strided"
     assert how(right=0) == how(left=64) == how(left=8, right=8) == "scheduled"  # causal / window
-    assert how(seqused_k=torch.full((2,), 100, dtype=torch.int32)) == "grid"  # KV cache form
+    used_k = torch.full((2,), 100, dtype=torch.int32)
+    assert how(seqused_k=used_k) == "grid"  # unmasked KV cache form: tiles of different lengths
+    assert how(right=0, seqused_k=used_k) == how(left=64, seqused_k=used_k) == "scheduled"  # prefill over a cache
+    assert how(right=0, seqused_k=used_k, tiles=SCHEDULE_MAX_TILES + 1) == "grid"
+    assert how(right=0, seqused_q=used_k, seqused_k=used_k) == "grid"
     assert how(right=0, tiles=SCHEDULE_MAX_TILES + 1) == "grid"
     assert how(right=0, seqused_q=torch.full((2,), 100, dtype=torch.int32)) == "grid"
     qv, kv = q.flatten(0, 1), k.flatten(0, 1)

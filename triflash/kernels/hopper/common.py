@@ -163,9 +163,13 @@ def persistent_walk(unmasked: bool, pb, params, num_tiles: int) -> str:
     (the hardware starts the next on whichever SM frees up); "strided", one persistent CTA
     per SM walking tile, tile + grid, ... (``unmasked``: asked for where every tile has the
     same length, no causal / window mask); "scheduled", under a mask, persistent CTAs
-    walking the host's longest-first schedule (up to ``SCHEDULE_MAX_TILES``). Dense batches
-    only: varlen / seqused tile lengths live on the device."""
-    if any(pb.seq_flags):  # (varlen, seqused_q, seqused_k)
+    walking the host's longest-first schedule (up to ``SCHEDULE_MAX_TILES``). Dense q and k
+    only: varlen / seqused_q tiles live on the device. ``seqused_k`` alone (a KV cache's key
+    counts) keeps the dense tiles and, under a bottom-right mask, their order (every tile's
+    key range shifts by the same count), so it takes the schedule; unmasked, its tiles differ
+    in length, so one CTA per tile."""
+    varlen, used_q, used_k = pb.seq_flags
+    if varlen or used_q or (used_k and not params.masked):
         return "grid"
     if not params.masked:
         return "strided" if unmasked else "grid"

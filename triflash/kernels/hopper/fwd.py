@@ -22,7 +22,8 @@ One CTA computes one query block of ``NUM_CONSUMERS * 64`` rows of one (batch, h
   the sequence are clipped by the descriptor), LSE with plain stores.
 * persistent (``walk``): one CTA per SM walks tiles, on a dense batch without causal /
   window mask tile, tile + grid, ... (``persistent_unmasked``: every tile the same length),
-  under a mask the host's longest-first schedule
+  under a mask (also over a KV cache: dense queries, ``seqused_k``) the host's longest-first
+  schedule
   (``common.persistent_schedule``: each tile to the CTA that would
   free up first, as the hardware does for one CTA per tile); the K/V ring runs on across
   tiles, and with ``Q_SLOTS`` = 2 the Q tiles (each its tile's O staging) alternate, so the
@@ -699,7 +700,8 @@ def rescale_early(cfg, params) -> bool:
 def walk(cfg, params, pb, num_tiles) -> str:
     """How the forward's CTAs take their tiles (``common.persistent_walk``): "strided"
     without a mask where the tile says ``persistent_unmasked``; "scheduled" under a causal /
-    window mask (every tile: one CTA per tile there, docs/performance.md)."""
+    window mask, dense or with ``seqused_k`` alone (docs/hopper.md, "Persistent
+    schedules")."""
     return persistent_walk(cfg.persistent_unmasked, pb, params, num_tiles)
 
 
