@@ -3,10 +3,12 @@ the decode cases under a few DecodeConfigs and split counts, beside SDPA-cuDNN (
 device copy.
 
     python scripts/decode_probe.py [--cases 0,3] [--configs 64x4x4,32x4x4,...] [--splits 1,4]
-                                   [--variant NAME:OLD=>NEW] [--json PATH]
+                                   [--variant NAME:OLD=>NEW] [--off NAME] [--json PATH]
 
 ``--variant``: the decode kernel with one line of its source replaced (a probe of a kernel
-change without a second copy in the library); its rows carry the variant's name.
+change without a second copy in the library); its rows carry the variant's name. ``--off``:
+the library with ``decode.NAME`` (a dispatch choice, e.g. ``chained``) answering False; its
+rows carry "no-NAME".
 """
 import argparse
 import json
@@ -98,8 +100,9 @@ def main():
     ap.add_argument("--splits", default="")
     ap.add_argument("--cases", default="")
     ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--off", action="append", default=[])
     a = ap.parse_args()
-    variants = [variant(v) for v in a.variant]
+    variants = [variant(v) for v in a.variant] + [("no-" + name, name) for name in a.off]
     cfgs = [None] + [decode.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",") if c]
     global GRAPH
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
@@ -133,6 +136,10 @@ def main():
             decode.config = orig if cfg is None else (lambda *a, c=cfg, **kw: c)
             tag = "default" if cfg is None else f"{cfg.block_n}x{cfg.num_warps}x{cfg.num_stages}"
             for vname, mod in [("", None)] + variants:
+                off = mod if isinstance(mod, str) else None
+                if off:
+                    choice, mod = getattr(decode, off), None
+                    setattr(decode, off, lambda *args, **kw: False)
                 decode.decode_kernel = kernel if mod is None else mod.decode_kernel
                 for ns in splits:
                     decode.plan.cache_clear()
@@ -141,10 +148,12 @@ def main():
                     key = f"{tag}{'/' + vname if vname else ''}/s{ns}"
                     try:
                         line[key] = round(nbytes / timeit(call) / 1e12, 3)
-                        if mod is not None and ns == splits[-1]:  # the variant's answer against the library's
+                        if (mod is not None or off) and ns == splits[-1]:  # the variant's answer against the library's
                             line[key + "/diff"] = (call().float() - out.float()).abs().max().item()
                     except Exception as e:  # noqa
                         line[key] = repr(e)[:100]
+                if off:
+                    setattr(decode, off, choice)
         decode.decode_kernel = kernel
         decode.config = orig
         decode.plan.cache_clear()

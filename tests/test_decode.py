@@ -255,6 +255,23 @@ def test_decode_kernels_fit_sm90():
         assert r["spill_bytes"] <= 16, r
 
 
+def test_split_combine_is_chained_on_sm90():
+    """On sm90 a split launch's combine is its programmatic dependent: the shares compiled to
+    let it launch (``CHAINED``), the combine launched with ``launch_pdl`` and compiled to wait
+    for their memory; an unsplit launch and other targets launch plainly."""
+    pytest.importorskip("tools.sm90_report")
+    from tools.decode_compile import launches
+    from triflash.kernels import decode
+    assert decode.chained("sm90") and not decode.chained("default") and not decode.chained("interpret")
+    log = launches("d128-split")
+    (dec, _, dec_kw), (comb, _, comb_kw) = [(fn, args, kw) for fn, args, kw in log]
+    assert (dec.fn.__name__, comb.fn.__name__) == ("decode_kernel", "decode_combine_kernel")
+    assert dec_kw["META"].SPLIT and dec_kw["META"].CHAINED
+    assert comb_kw["CHAINED"] and comb_kw.get("launch_pdl") is True
+    [(fn, _, kw)] = launches("d128-dense")
+    assert not kw["META"].SPLIT and not kw["META"].CHAINED and "launch_pdl" not in kw
+
+
 @pytest.mark.parametrize("num_splits", [1, 0, 3])
 def test_varlen_func_decoding_step(num_splits, monkeypatch):
     """A serving engine's decoding call, flash_attn_varlen_func with packed queries, a dense

@@ -15,7 +15,9 @@ bytes it streams per second. Two things make a launch stream at the card's bandw
   blocks are cut into ``num_splits`` equal shares, one program each. A share leaves its rows'
   output normalized by its own row sums (fp32) and their natural-log log-sum-exps in a
   workspace; ``decode_combine_kernel`` merges a tile's shares: with lse = log(sum_i
-  exp(lse_i)), O = sum_i exp(lse_i - lse) O_i.
+  exp(lse_i)), O = sum_i exp(lse_i - lse) O_i. On sm90 the combine is a programmatic
+  dependent launch (``chained``): its CTAs take the SMs the shares leave and wait there for
+  the shares' memory, instead of being launched after the last share ends.
 
 The cache is addressed as ``problem.CacheAddressing`` says (dense, cache_batch_idx,
 cache_leftpad, a page table of any page size); key j of a sequence is its logical cache row
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import cache_batch, ceil_div, page_entries, paged_at, scores, seqlen_info, softmax_step, to_output, visible
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
@@ -66,6 +69,7 @@ class DecodeMeta(NamedTuple):
     PAGE_BLOCK: bool = False  # paged, every key block inside one page: one page-table read per block
     PAGE_SIZE: int = 0        # paged: the page size when a power of two (static_page_size), else 0
     BLOCK_B: int = 0          # > 0: sequences taken longest first (``longest_first``), batch <= BLOCK_B
+    CHAINED: bool = False     # SPLIT, the combine launched as its dependent (``chained``)
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -134,6 +138,14 @@ def longest_first(batch: int, has_seqused_k: bool) -> int:
     if not has_seqused_k or batch < 2 or batch > MAX_ORDERED_BATCH:
         return 0
     return max(16, triton.next_power_of_2(batch))
+
+
+def chained(target: str) -> bool:
+    """Whether a split launch's combine is launched as its programmatic dependent (PDL,
+    sm90's ``griddepcontrol``): every share lets it launch as soon as it starts, so the
+    combine's CTAs are placed on the SMs the shares leave and wait there
+    (``griddepcontrol.wait``) for the shares' memory, instead of being launched after them."""
+    return target == "sm90"
 
 
 def ctas_per_sm(cfg: DecodeConfig, headdim: int, headdim_v: int) -> int:
@@ -327,6 +339,8 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     PAGED: tl.constexpr = META.PAGED
     SPLIT: tl.constexpr = META.SPLIT
     stride_ptb, _, num_kv_blocks = paging
+    if META.CHAINED:  # the combine may launch now; it waits for this launch's memory
+        gdc_launch_dependents()
     split = tl.program_id(0)
     m_tile = tl.program_id(1)
     bh = tl.program_id(2)
@@ -427,10 +441,11 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
 def decode_combine_kernel(O, LSE, O_PART, LSE_PART, stride_o, stride_lse, cu_seqlens_q, sizes,
                           GROUP: tl.constexpr, HEADDIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-                          IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr):
+                          IS_VARLEN: tl.constexpr, UPCAST: tl.constexpr, CHAINED: tl.constexpr):
     """Program (row of a tile, tile, CHUNK columns): merges that row's ``num_splits`` shares,
     all loaded at once (BLOCK_S >= num_splits). ``sizes``: (nheads_kv, seqlen_q, total_q,
-    num_splits, m_tiles)."""
+    num_splits, m_tiles). ``CHAINED``: launched as the decode launch's dependent (``chained``),
+    so it waits for that launch's memory before reading the shares."""
     stride_ob, stride_om, stride_oh = stride_o
     stride_lseb, stride_lseh, stride_lsem = stride_lse
     nheads_kv, seqlen_q, total_q, num_splits, m_tiles = sizes
@@ -450,6 +465,8 @@ def decode_combine_kernel(O, LSE, O_PART, LSE_PART, stride_o, stride_lse, cu_seq
     splits = tl.arange(0, BLOCK_S)
     cols = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
     part = (splits * tl.num_programs(1) + tile).to(tl.int64) * BLOCK_M + r
+    if CHAINED:
+        gdc_wait()
     lse_s = tl.load(LSE_PART + part, mask=splits < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)  # a row no share saw a key for
@@ -497,12 +514,14 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     dummy = q
     total_q = q.shape[0] if varlen else q.shape[1]
     upcast = target == "interpret"
+    chain = split and chained(target)
     kv_batch, k_start, page_table, *paging = cache_args
     meta = DecodeMeta(group, d, dv, pl.block_m, pl.cfg.block_n, max(16, triton.next_power_of_2(d)), block_dv,
                       varlen, seqused_k is not None, p.window_left >= 0, p.window_right >= 0, p.softcap > 0.0,
                       upcast, SPLIT=split, **cache_flags,
                       PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]),
-                      PAGE_SIZE=static_page_size(page_size), BLOCK_B=longest_first(batch, seqused_k is not None))
+                      PAGE_SIZE=static_page_size(page_size), BLOCK_B=longest_first(batch, seqused_k is not None),
+                      CHAINED=chain)
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
@@ -519,5 +538,6 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
             out, lse, o_part, lse_part, bshd_strides(out, varlen), lse_strides(lse, varlen),
             cu_seqlens_q if varlen else dummy, (nheads_kv, p.max_seqlen_q, total_q, pl.splits, pl.m_tiles),
             GROUP=group, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_DV=block_dv, BLOCK_S=block_s,
-            CHUNK=chunk, IS_VARLEN=varlen, UPCAST=upcast, num_warps=4)
+            CHUNK=chunk, IS_VARLEN=varlen, UPCAST=upcast, CHAINED=chain, num_warps=4,
+            **({"launch_pdl": True} if chain else {}))
     return out, lse
