@@ -78,6 +78,25 @@ def test_kvcache_without_new_keys(dtype):
     _check_rows(out, lse, q, k_cache, v_cache, [rows] * batch)
 
 
+def test_append_of_no_tokens():
+    """New k/v of zero tokens (dense, and packed with every sequence empty): the caches stay as
+    they were and each sequence attends to its cache_seqlens keys, as without new keys."""
+    torch.manual_seed(3)
+    batch, rows, h, d, sq = 3, 40, 2, 32, 2
+    k_cache, v_cache = _rand(batch, rows, h, d, dtype=torch.float16), _rand(batch, rows, h, d, dtype=torch.float16)
+    q = _rand(batch, sq, h, d, dtype=torch.float16)
+    lens = torch.tensor([5, 0, 33], dtype=torch.int32, device=DEVICE)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    empty = _rand(batch, 0, h, d, dtype=torch.float16)
+    packed = _rand(0, h, d, dtype=torch.float16)
+    cu = torch.zeros(batch + 1, dtype=torch.int32, device=DEVICE)
+    for kw in (dict(k=empty, v=empty), dict(k=packed, v=packed, cu_seqlens_k_new=cu)):
+        out, lse = triflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                                                    return_softmax_lse=True, **kw)
+        assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+        _check_rows(out, lse, q, k_cache, v_cache, lens.tolist(), causal=True)
+
+
 def test_kvcache_bad_input():
     q = _rand(2, 1, 2, 32, dtype=torch.float16)
     kc, vc = _rand(2, 10, 2, 32, dtype=torch.float16), _rand(2, 10, 2, 32, dtype=torch.float16)

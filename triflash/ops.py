@@ -249,16 +249,17 @@ def attention_qkvpacked(qkv, ints, floats):
 @torch.library.custom_op("triflash::append_kv", mutates_args={"k_cache", "v_cache"})
 def append_kv(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor,
               batch_idx: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
-              cu_seqlens_new: Optional[Tensor] = None) -> None:
+              cu_seqlens_new: Optional[Tensor] = None) -> Tensor:
     """Write the new keys and values into the caches in place at each sequence's logical rows
     ``starts[b]`` onwards (one launch; ``kvcache.append_kv``): an op, so that torch.compile
-    sees the mutation instead of tracing into Triton. ``cu_seqlens_new``: packed new tokens."""
-    kvcache.append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx, page_table, cu_seqlens_new)
+    sees the mutation instead of tracing into Triton. ``cu_seqlens_new``: packed new tokens.
+    Returns each sequence's key count after the append, starts + its new tokens."""
+    return kvcache.append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx, page_table, cu_seqlens_new)
 
 
 @append_kv.register_fake
 def _(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table=None, cu_seqlens_new=None):
-    return None
+    return torch.empty_like(starts)
 
 
 @torch.library.custom_op("triflash::fwd_kvcache", mutates_args=())

@@ -255,8 +255,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
                   cu_seqlens_k_new=None):
     """``flash_attn_with_kvcache``'s tensors. Returns (starts, used, capacity): int32 (batch,)
     tensors, where each sequence's new keys go and how many cache rows it attends up to (None,
-    None: the whole cache), and the rows one sequence's cache holds (page_table: pages x
-    page size). Values of index tensors are read (a device sync) on the CPU, or on a GPU with
+    None: the whole cache; used None with new keys: the append returns it), and the rows one
+    sequence's cache holds (page_table: pages x page size). Values of index tensors are read (a device sync) on the CPU, or on a GPU with
     ``set_check_inputs(True)``; the kernels clamp them so that nothing faults."""
     varlen_q = cu_seqlens_q is not None
     _check_tensor("q", q, 3 if varlen_q else 4)
@@ -330,8 +330,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
             _fail("cache_seqlens", None, "required with new k/v: where each sequence's new tokens go")
         if host:
             _check_cu_seqlens_values("cu_seqlens_k_new", cu_seqlens_k_new, k.shape[0], k.shape[0])
-        new_lens = cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
-        if host and new_lens.numel():
+        if host and batch:
+            new_lens = cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
             seqlen_new = int(new_lens.max().item())  # (the bound the cache_seqlens check uses)
     elif k is not None:
         _check_tensor("k", k, 4)
@@ -376,9 +376,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
             lp, c = cache_leftpad.cpu(), starts.cpu()
             if (lp < 0).any() or (lp > c).any():
                 _fail("cache_leftpad", lp.tolist(), f"expected 0 <= cache_leftpad <= cache_seqlens {c.tolist()}")
-    if new_lens is not None:
-        return starts, starts + new_lens, capacity
-    return starts, (starts + seqlen_new) if seqlen_new else starts, capacity
+    # with new keys the append writes each sequence's key count (kvcache.append_kv)
+    return starts, None if k is not None else starts, capacity
 
 
 def check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch):
