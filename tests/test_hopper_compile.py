@@ -245,11 +245,14 @@ def test_hopper_forward_compiles_for_sm90a():
     assert {r["headdim"] for r in rows if r.get("kvcache")} == every
     # persistent CTAs (with the tile's Q slots) exactly where the dispatch asks for them
     # (fwd.walk): dense batches, unmasked at the head dims whose tile says persistent_unmasked,
-    # causal / window on the host's schedule at every head dim
+    # causal / window on the host's schedule at every head dim, also over a KV cache (dense q,
+    # seqused_k alone); never varlen
     # (a padded head dim, 96 or 192, runs the tile of the width it is computed at)
     tiles = configs.SM90_HOPPER_FWD
     rows = [dict(r, headdim=kernel_head_dim(r["headdim"]), real=r["headdim"]) for r in rows]
-    assert {(r["headdim"], r["feature"], bool(r.get("varlen") or r.get("kvcache")))
+    assert {(r["real"], r["feature"]) for r in rows if r.get("kvcache") and r["scheduled"]} == {
+        (d, f) for d in every for f in ("causal", "window-softcap")}
+    assert {(r["headdim"], r["feature"], bool(r.get("varlen")))
             for r in rows if r["q_slots"] == 2} == (
         {(d, "plain", False) for d, c in tiles.items() if c.persistent_unmasked and c.q_slots == 2}
         | {(d, f, False) for d, c in tiles.items() if c.q_slots == 2 for f in ("causal", "window-softcap")})
@@ -259,7 +262,7 @@ def test_hopper_forward_compiles_for_sm90a():
     assert {(r["headdim"], r["feature"]) for r in rows if r["scheduled"]} == {
         (d, f) for d in tiles for f in ("causal", "window-softcap")} | {
         (d, "plain") for d, c in tiles.items() if c.split_keys}
-    assert not any(r["scheduled"] and (r.get("varlen") or r.get("kvcache")) for r in rows)
+    assert not any(r["scheduled"] and r.get("varlen") for r in rows)
     for r in rows:
         # P to 16 bits two at a time (hopper.common.to_16bit): no one-at-a-time conversion left
         assert r["scalar_cvt"] == 0, r
