@@ -52,7 +52,7 @@ def main():
     rows = []
     for case in CASES:
         q, kc, vc, kn, vn, lens, cached = make(case)
-        b, s = case[0], case[2]
+        s = case[2]
         # caches already holding the new tokens (attention alone), and their contiguous copies
         kf, vf = kc.clone(), vc.clone()
         for i, c in enumerate(cached):

@@ -324,8 +324,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                              token_positions(offsets, k.shape[1], False, cu_seqlens_k_new, k.shape[0]),
                              rotary_interleaved)
         if k is not None:
-            used = ops.append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, starts,
-                          cache_batch_idx, page_table, cu_seqlens_k_new)
+            used = ops.append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache,
+                                 starts, cache_batch_idx, page_table, cu_seqlens_k_new)
         q = V.last_dim_contiguous(q)
         max_q = max_seqlen_q if varlen_q else q.shape[1]
         ints, floats = ops.pack_scalars(max_q, capacity, softmax_scale, left, right, softcap, False)

@@ -255,9 +255,10 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
                   cu_seqlens_k_new=None):
     """``flash_attn_with_kvcache``'s tensors. Returns (starts, used, capacity): int32 (batch,)
     tensors, where each sequence's new keys go and how many cache rows it attends up to (None,
-    None: the whole cache; used None with new keys: the append returns it), and the rows one
-    sequence's cache holds (page_table: pages x page size). Values of index tensors are read (a device sync) on the CPU, or on a GPU with
-    ``set_check_inputs(True)``; the kernels clamp them so that nothing faults."""
+    None: the whole cache; used None with new keys, whose append returns it), and the rows one
+    sequence's cache holds (page_table: pages x page size). Values of index tensors are read
+    (a device sync) on the CPU, or on a GPU with ``set_check_inputs(True)``; the kernels clamp
+    them so that nothing faults."""
     varlen_q = cu_seqlens_q is not None
     _check_tensor("q", q, 3 if varlen_q else 4)
     _check_tensor("k_cache", k_cache, 4)
