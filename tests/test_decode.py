@@ -162,6 +162,62 @@ def test_longest_first_order(num_splits, monkeypatch):
     assert decode.longest_first(decode.MAX_ORDERED_BATCH + 1, True) == 0
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["rows32", "rows64"])
+@pytest.mark.parametrize("page", [None, 16, 1, 24, 128], ids=lambda p: f"page{p}")
+def test_kv_strides_and_row_offsets(page, wide, monkeypatch):
+    """K and V with different strides (V a view into a wider tensor, pages of its own
+    layout: ``decode.shared_offsets`` False) and with the same (True); a page's row offsets
+    in 32 bits and in 64 (``decode.wide_rows`` forced); every addressing path: dense, pages
+    walked key by key (page size 1, and 24: not a power of two) and pages holding whole
+    key blocks (16 and 128 under the interpreter's 16-key blocks)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(17 + (page or 0))
+    batch, cap, h, hk, d = 3, 160, 8, 2, 64
+    q = torch.randn(batch, 1, h, d, device=DEVICE, generator=gen).half()
+    lens = torch.tensor([cap, 77, 1], **I32)
+    if page is None:
+        k = torch.randn(batch, cap, hk, d, device=DEVICE, generator=gen).half()
+        v = torch.randn(batch, cap, hk + 3, d, device=DEVICE, generator=gen).half()[:, :, 1:hk + 1]
+        table = None
+        kl, vl = k, v
+    else:
+        blocks = batch * (-(-cap // page)) + 2
+        k = torch.randn(blocks, page, hk, d, device=DEVICE, generator=gen).half()
+        v = torch.randn(blocks, page + 5, hk, 2 * d, device=DEVICE, generator=gen).half()[:, 2:page + 2, :, :d]
+        table = torch.randperm(blocks, device=DEVICE, generator=gen)[:batch * (blocks // batch)]
+        table = table.to(torch.int32).view(batch, -1)[:, :-(-cap // page)].contiguous()
+        def logical(c):
+            return c[table.long()].reshape(batch, -1, hk, d)[:, :cap]
+        kl, vl = logical(k), logical(v)
+    assert not decode.shared_offsets(k, v) and decode.shared_offsets(k, k)
+    assert not decode.wide_rows(page or 1, k, v)
+    monkeypatch.setattr(decode, "wide_rows", lambda *a: wide)
+    for v_cache in (v, k):  # different strides, then K and V the same tensor
+        metas = []
+        real = decode.decode_kernel
+
+        class Spy:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: metas.append(kw["META"]) or real[grid](*a, **kw)
+        monkeypatch.setattr(decode, "decode_kernel", Spy())
+        out, lse = triflash.flash_attn_with_kvcache(q, k, v_cache, cache_seqlens=lens, page_table=table,
+                                                    causal=True, return_softmax_lse=True)
+        monkeypatch.setattr(decode, "decode_kernel", real)
+        assert [(m.KV_SAME, m.WIDE_ROWS) for m in metas] == [(v_cache is k, wide)]
+        v_log = vl if v_cache is v else kl
+        for b in range(batch):
+            n = int(lens[b])
+            ref, lse_ref = attention_ref(q[b:b + 1], kl[b:b + 1, :n], v_log[b:b + 1, :n], causal=True)
+            lowp, _ = attention_ref(q[b:b + 1], kl[b:b + 1, :n], v_log[b:b + 1, :n], causal=True, upcast=False)
+            assert_forward_matches(out[b:b + 1], lse[b:b + 1], ref, lse_ref, lowp)
+
+
+def test_row_offsets_width():
+    """A page's row offsets go to 64 bits exactly when page size x row stride reaches 2^31."""
+    t = torch.empty(0, device="meta").as_strided((4, 64, 2, 8), (1 << 40, 1 << 25, 8, 1))
+    assert decode.wide_rows(64, t, t) and not decode.wide_rows(63, t, t)
+    assert not decode.wide_rows(0, t, t)
+
+
 def test_dispatch_decode_or_prefill():
     """Decoding-sized calls (query tokens x GQA group <= decode.MAX_ROWS per KV head) take the
     decode kernel; longer ones the prefill kernels."""

@@ -70,6 +70,8 @@ class DecodeMeta(NamedTuple):
     PAGE_SIZE: int = 0        # paged: the page size when a power of two (static_page_size), else 0
     BLOCK_B: int = 0          # > 0: sequences taken longest first (``longest_first``), batch <= BLOCK_B
     CHAINED: bool = False     # SPLIT, the combine launched as its dependent (``chained``)
+    KV_SAME: bool = False     # K and V with the same (block, row) strides: one offset serves both (``shared_offsets``)
+    WIDE_ROWS: bool = False   # paged, row offsets inside a page computed in 64 bits (``wide_rows``)
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -146,6 +148,19 @@ def chained(target: str) -> bool:
     combine's CTAs are placed on the SMs the shares leave and wait there
     (``griddepcontrol.wait``) for the shares' memory, instead of being launched after them."""
     return target == "sm90"
+
+
+def shared_offsets(k, v) -> bool:
+    """``DecodeMeta.KV_SAME``: whether K and V step through their blocks (or sequences) and
+    rows with the same strides (separate caches allocated alike, or K and V as views of one
+    tensor), so that one 64-bit offset per key addresses both."""
+    return k.stride()[:2] == v.stride()[:2]
+
+
+def wide_rows(page_size: int, k, v) -> bool:
+    """``DecodeMeta.WIDE_ROWS``: whether a row's offset inside a page (row x row stride) can
+    pass 2^31 elements; else it is computed in 32 bits and only the page's is 64-bit."""
+    return page_size * max(abs(k.stride(1)), abs(v.stride(1))) >= 2 ** 31
 
 
 def ctas_per_sm(cfg: DecodeConfig, headdim: int, headdim_v: int) -> int:
@@ -230,6 +245,9 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     _, page_size, num_kv_blocks = paging
     if META.PAGE_SIZE > 0:  # a power of two known at compile time: row // page_size is a shift
         page_size = META.PAGE_SIZE
+        page_u = tl.full([], META.PAGE_SIZE, tl.uint32)
+    else:
+        page_u = page_size.to(tl.uint32)
     qk_scale, softcap_log2, window_left, window_right = score
     HEADDIM: tl.constexpr = META.HEADDIM
     HEADDIM_V: tl.constexpr = META.HEADDIM_V
@@ -252,24 +270,34 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     AHEAD: tl.constexpr = PAGED and not PAGE_BLOCK
     if AHEAD:
         offs_lo = lo * BLOCK_N + offs_n0
-        nxt = page_entries(page_row, k_first + offs_lo, offs_lo < len_k, page_size)
+        nxt = tl.load(page_row + (k_first + offs_lo).to(tl.uint32) // page_u, mask=offs_lo < len_k, other=0)
     for n_block in range(lo, hi):
         offs_n = n_block * BLOCK_N + offs_n0
-        if AHEAD:
-            blk, row = paged_at(nxt, k_first + offs_n, page_size, num_kv_blocks)
-            nxt = page_entries(page_row, k_first + offs_n + BLOCK_N, offs_n + BLOCK_N < len_k, page_size)
-            k_ptrs = k_base + (blk * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
-            v_ptrs = v_base + (blk * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
+        if AHEAD:  # (keys' cache rows are >= 0: unsigned page and row, a shift and a mask)
+            blk = tl.minimum(tl.maximum(nxt, 0), num_kv_blocks - 1).to(tl.int64)
+            row = ((k_first + offs_n).to(tl.uint32) % page_u).to(tl.int32)
+            nxt = tl.load(page_row + (k_first + offs_n + BLOCK_N).to(tl.uint32) // page_u,
+                          mask=offs_n + BLOCK_N < len_k, other=0)
+            if META.WIDE_ROWS:
+                row = row.to(tl.int64)
+            k_off = blk * stride_kb + (row * stride_kn).to(tl.int64)
+            v_off = k_off if META.KV_SAME else blk * stride_vb + (row * stride_vn).to(tl.int64)
+            k_ptrs = k_base + k_off[:, None] + offs_d[None, :]
+            v_ptrs = v_base + v_off[:, None] + offs_dv[None, :]
         elif PAGE_BLOCK:  # the block inside one page (k_first = 0): one page-table read
             first = n_block * BLOCK_N
             blk = tl.load(page_row + first // page_size)
             blk = tl.minimum(tl.maximum(blk, 0), num_kv_blocks - 1).to(tl.int64)
             row = (first % page_size + offs_n0).to(tl.int64)
-            k_ptrs = k_base + blk * stride_kb + row[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = v_base + blk * stride_vb + row[:, None] * stride_vn + offs_dv[None, :]
+            k_off = blk * stride_kb + row * stride_kn
+            v_off = k_off if META.KV_SAME else blk * stride_vb + row * stride_vn
+            k_ptrs = k_base + k_off[:, None] + offs_d[None, :]
+            v_ptrs = v_base + v_off[:, None] + offs_dv[None, :]
         else:
-            k_ptrs = k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :]
+            k_off = offs_n.to(tl.int64) * stride_kn
+            v_off = k_off if META.KV_SAME else offs_n.to(tl.int64) * stride_vn
+            k_ptrs = k_base + k_off[:, None] + offs_d[None, :]
+            v_ptrs = v_base + v_off[:, None] + offs_dv[None, :]
         if MASK:
             k = tl.load(k_ptrs, mask=(offs_n[:, None] < len_k) & k_cols, other=0.0)
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < len_k) & v_cols, other=0.0)
@@ -521,7 +549,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
                       upcast, SPLIT=split, **cache_flags,
                       PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]),
                       PAGE_SIZE=static_page_size(page_size), BLOCK_B=longest_first(batch, seqused_k is not None),
-                      CHAINED=chain)
+                      CHAINED=chain, KV_SAME=shared_offsets(k, v), WIDE_ROWS=wide_rows(page_size, k, v))
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
