@@ -166,10 +166,10 @@ def test_longest_first_order(num_splits, monkeypatch):
 @pytest.mark.parametrize("page", [None, 16, 1, 24, 128], ids=lambda p: f"page{p}")
 def test_kv_strides_and_row_offsets(page, wide, monkeypatch):
     """K and V with different strides (V a view into a wider tensor, pages of its own
-    layout: ``decode.shared_offsets`` False) and with the same (True); a page's row offsets
-    in 32 bits and in 64 (``decode.wide_rows`` forced); every addressing path: dense, pages
-    walked key by key (page size 1, and 24: not a power of two) and pages holding whole
-    key blocks (16 and 128 under the interpreter's 16-key blocks)."""
+    layout: ``decode.shared_offsets`` False) and K and V the same tensor (True); a page's
+    row offsets in 32 bits and in 64 (``decode.wide_rows`` forced); every addressing path:
+    dense, pages walked key by key (page size 1, and 24: not a power of two) and pages
+    holding whole key blocks (16 and 128 under the interpreter's 16-key blocks)."""
     gen = torch.Generator(device=DEVICE).manual_seed(17 + (page or 0))
     batch, cap, h, hk, d = 3, 160, 8, 2, 64
     q = torch.randn(batch, 1, h, d, device=DEVICE, generator=gen).half()

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import cache_batch, ceil_div, page_entries, paged_at, scores, seqlen_info, softmax_step, to_output, visible
+from .common import cache_batch, ceil_div, page_entries, scores, seqlen_info, softmax_step, to_output, visible
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
@@ -270,14 +270,13 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     AHEAD: tl.constexpr = PAGED and not PAGE_BLOCK
     if AHEAD:
         offs_lo = lo * BLOCK_N + offs_n0
-        nxt = tl.load(page_row + (k_first + offs_lo).to(tl.uint32) // page_u, mask=offs_lo < len_k, other=0)
+        nxt = page_entries(page_row, k_first + offs_lo, offs_lo < len_k, page_size)
     for n_block in range(lo, hi):
         offs_n = n_block * BLOCK_N + offs_n0
-        if AHEAD:  # (keys' cache rows are >= 0: unsigned page and row, a shift and a mask)
+        if AHEAD:  # (a row >= 0: its place in its page an unsigned remainder, a mask for a power of two)
             blk = tl.minimum(tl.maximum(nxt, 0), num_kv_blocks - 1).to(tl.int64)
             row = ((k_first + offs_n).to(tl.uint32) % page_u).to(tl.int32)
-            nxt = tl.load(page_row + (k_first + offs_n + BLOCK_N).to(tl.uint32) // page_u,
-                          mask=offs_n + BLOCK_N < len_k, other=0)
+            nxt = page_entries(page_row, k_first + offs_n + BLOCK_N, offs_n + BLOCK_N < len_k, page_size)
             if META.WIDE_ROWS:
                 row = row.to(tl.int64)
             k_off = blk * stride_kb + (row * stride_kn).to(tl.int64)
