@@ -26,12 +26,33 @@ def pytest_configure(config):
                             "(scripts/gpu_run.sh TEST_MARK=option), not in its default suite")
 
 
+def shard_range(spec):
+    """(first, last, n) of ``TRIFLASH_TEST_SHARD``: "i/n" or "i-j/n", 1 <= i <= j <= n."""
+    try:
+        shards, n = spec.split("/")
+        first, dash, last = shards.partition("-")
+        first, n = int(first), int(n)
+        last = int(last) if dash else first
+        if not 1 <= first <= last <= n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"TRIFLASH_TEST_SHARD={spec!r}: expected i/n or i-j/n with 1 <= i <= j <= n") from None
+    return first, last, n
+
+
+def shard_of(nodeid, n):
+    """The shard (1 .. n) of a test: a hash of its node id."""
+    import zlib
+    return zlib.crc32(nodeid.encode()) % n + 1
+
+
 def pytest_collection_modifyitems(config, items):
     """``TRIFLASH_TEST_SHARD=i/n`` (1 <= i <= n): keep the i-th of n shards, each test's shard
     fixed by a hash of its id, so that n calls (a device call's time limit) run the suite
-    once between them (scripts/gpu_run.sh SHARD=i/n). ``TRIFLASH_TEST_IDS=path``: keep only
-    the tests whose node ids the file lists, one per line (e.g. those a stopped call did not
-    reach; scripts/gpu_run.sh TEST_IDS=path)."""
+    once between them (scripts/gpu_run.sh SHARD=i/n); ``i-j/n``: shards i to j in one run
+    (one process pool for many small shards, e.g. of FA3's whole KV-cache grid).
+    ``TRIFLASH_TEST_IDS=path``: keep only the tests whose node ids the file lists, one per
+    line (e.g. those a stopped call did not reach; scripts/gpu_run.sh TEST_IDS=path)."""
     ids_path = os.environ.get("TRIFLASH_TEST_IDS", "")
     if ids_path:
         with open(ids_path) as f:
@@ -43,16 +64,10 @@ def pytest_collection_modifyitems(config, items):
     spec = os.environ.get("TRIFLASH_TEST_SHARD", "")
     if not spec:
         return
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-        if not 1 <= i <= n:
-            raise ValueError
-    except ValueError:
-        raise pytest.UsageError(f"TRIFLASH_TEST_SHARD={spec!r}: expected i/n with 1 <= i <= n") from None
-    import zlib
+    first, last, n = shard_range(spec)
     keep, drop = [], []
     for item in items:
-        (keep if zlib.crc32(item.nodeid.encode()) % n == i - 1 else drop).append(item)
+        (keep if first <= shard_of(item.nodeid, n) <= last else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = keep

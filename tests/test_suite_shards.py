@@ -1,4 +1,5 @@
-"""TRIFLASH_TEST_SHARD=i/n (tests/conftest.py): n shards run every test once between them."""
+"""TRIFLASH_TEST_SHARD=i/n (tests/conftest.py): n shards run every test once between them;
+i-j/n runs shards i to j."""
 import os
 import subprocess
 import sys
@@ -33,7 +34,17 @@ def test_shards_partition_the_suite():
     assert sum(map(len, parts)) == len(every) and all(parts)
 
 
-@pytest.mark.parametrize("bad", ["0/2", "3/2", "x"])
+def test_shard_range_is_the_union_of_its_shards():
+    rc, every, out = _collect()
+    assert rc == 0 and len(every) > 10, out
+    parts = [_collect(TRIFLASH_TEST_SHARD=f"{i}/4")[1] for i in (1, 2, 3, 4)]
+    rc, ids, out = _collect(TRIFLASH_TEST_SHARD="2-3/4")
+    assert rc == 0, out
+    assert ids == parts[1] | parts[2] and ids and ids != every
+    assert _collect(TRIFLASH_TEST_SHARD="1-4/4")[1] == every
+
+
+@pytest.mark.parametrize("bad", ["0/2", "3/2", "x", "2-1/3", "1-4/3", "1-/3"])
 def test_bad_shard_is_refused(bad):
     rc, _, out = _collect(TRIFLASH_TEST_SHARD=bad)
     assert rc != 0 and "TRIFLASH_TEST_SHARD" in out
