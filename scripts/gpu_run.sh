@@ -4,10 +4,11 @@
 #   IMPLS=a,b,...  the benchmark's implementations; BENCH_ARGS: extra benchmark flags
 #   (e.g. "--seqlens 8192": the seed and 8k cases only, ~4 minutes); BENCH_ROUNDS:
 #   interleaved timing rounds per case (default 3, the median kept); TEST_WORKERS: pytest
-#   workers for the tests (default 12); SHARD=i/n: the i-th of n shards of the tests (i-j/n: shards i to j; tests/
-#   conftest.py; the whole suite, ~620 s at f985c04, passes one call's limit: SHARD=1/2 and
-#   SHARD=2/2 in two calls); RESUME=path: a partial h200.json of the same commit whose cases
-#   the benchmark keeps instead of measuring again (each case's rows come from one process)
+#   workers for the tests (default 12); SHARD=i/n: the i-th of n shards of the tests, i-j/n
+#   shards i to j (tests/conftest.py; the whole suite, ~620 s at f985c04, passes one call's
+#   limit: SHARD=1/2 and SHARD=2/2 in two calls); RESUME=path: a partial h200.json of the
+#   same commit whose cases the benchmark keeps instead of measuring again (each case's rows
+#   come from one process)
 # Writes OUTDIR/{env.txt, gpu-tests.txt, bench.txt, h200.json, h200.png} (PARTS=headdims:
 # headdims.json, headdims.png, bench-headdims.txt: --preset headdims; PARTS=decode:
 # decode.json, decode.png, bench-decode.txt: --preset decode, published as
