@@ -34,6 +34,17 @@ def _cache(batch, cap, hk, d, dv, page, dtype, gen):
     return k, v, table, lambda c: c[table.long()].reshape(batch, pages * page, *c.shape[2:])[:, :cap]
 
 
+def _record_metas(monkeypatch):
+    """The ``META`` of every decode_kernel launch from now on (a list that fills)."""
+    metas, real = [], decode.decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: metas.append(kw["META"]) or real[grid](*a, **kw)
+    monkeypatch.setattr(decode, "decode_kernel", Spy())
+    return metas
+
+
 CASES = [
     # batch, cap, h, hk, d, dv, sq, page, mask, softcap, num_splits
     (3, 97, 8, 2, 64, 64, 1, None, "causal", 0.0, 0),
@@ -136,13 +147,7 @@ def test_longest_first_order(num_splits, monkeypatch):
     lens = torch.randint(0, cap + 1, (batch,), device=DEVICE, generator=gen).to(torch.int32)
     lens[3:9] = 41  # ties
     lens[10], lens[20], lens[30] = cap, 0, cap
-    metas = []
-    real = decode.decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: metas.append(kw["META"]) or real[grid](*a, **kw)
-    monkeypatch.setattr(decode, "decode_kernel", Spy())
+    metas = _record_metas(monkeypatch)
     poison = torch.full((batch, 1, h, d), float("nan"), dtype=q.dtype, device=DEVICE)
     real_alloc = decode.alloc_fwd_outputs
     monkeypatch.setattr(decode, "alloc_fwd_outputs",
@@ -192,16 +197,10 @@ def test_kv_strides_and_row_offsets(page, wide, monkeypatch):
     assert not decode.wide_rows(page or 1, k, v)
     monkeypatch.setattr(decode, "wide_rows", lambda *a: wide)
     for v_cache in (v, k):  # different strides, then K and V the same tensor
-        metas = []
-        real = decode.decode_kernel
-
-        class Spy:
-            def __getitem__(self, grid):
-                return lambda *a, **kw: metas.append(kw["META"]) or real[grid](*a, **kw)
-        monkeypatch.setattr(decode, "decode_kernel", Spy())
-        out, lse = triflash.flash_attn_with_kvcache(q, k, v_cache, cache_seqlens=lens, page_table=table,
-                                                    causal=True, return_softmax_lse=True)
-        monkeypatch.setattr(decode, "decode_kernel", real)
+        with monkeypatch.context() as m:
+            metas = _record_metas(m)
+            out, lse = triflash.flash_attn_with_kvcache(q, k, v_cache, cache_seqlens=lens, page_table=table,
+                                                        causal=True, return_softmax_lse=True)
         assert [(m.KV_SAME, m.WIDE_ROWS) for m in metas] == [(v_cache is k, wide)]
         v_log = vl if v_cache is v else kl
         for b in range(batch):
