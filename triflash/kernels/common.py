@@ -281,21 +281,22 @@ def paged_rows(page_row, rows, ok, page_size, num_blocks):
     """(block, row in block), int64, of a sequence's logical KV-cache rows ``rows`` in a
     paged cache: row r lives in block page_row[r // page_size] (the sequence's page-table
     row; clamped to the cache, so that a bad entry cannot fault) at row r % page_size."""
-    return paged_at(page_entries(page_row, rows, ok, page_size), rows, page_size, num_blocks)
+    block = page_block_of(page_entries(page_row, rows, ok, page_size), num_blocks)
+    return block, (rows % page_size).to(tl.int64)
 
 
 @triton.jit
 def page_entries(page_row, rows, ok, page_size):
     """The page-table entries of logical rows ``rows`` (0 where not ``ok``), as stored: a
-    loop can read them ahead of ``paged_at``."""
+    loop can read them ahead of ``page_block_of``."""
     return tl.load(page_row + rows // page_size, mask=ok, other=0)
 
 
 @triton.jit
-def paged_at(entries, rows, page_size, num_blocks):
-    """``paged_rows`` from rows' page-table ``entries`` (``page_entries``)."""
-    block = tl.minimum(tl.maximum(entries, 0), num_blocks - 1).to(tl.int64)
-    return block, (rows % page_size).to(tl.int64)
+def page_block_of(entries, num_blocks):
+    """The cache block (int64) of page-table ``entries``, clamped to the cache's
+    ``num_blocks`` so that a bad entry cannot fault."""
+    return tl.minimum(tl.maximum(entries, 0), num_blocks - 1).to(tl.int64)
 
 
 @triton.jit

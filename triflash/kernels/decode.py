@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import cache_batch, ceil_div, page_entries, scores, seqlen_info, softmax_step, to_output, visible
+from .common import (cache_batch, ceil_div, page_block_of, page_entries, scores, seqlen_info, softmax_step,
+                     to_output, visible)
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
@@ -274,7 +275,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
     for n_block in range(lo, hi):
         offs_n = n_block * BLOCK_N + offs_n0
         if AHEAD:  # (a row >= 0: its place in its page an unsigned remainder, a mask for a power of two)
-            blk = tl.minimum(tl.maximum(nxt, 0), num_kv_blocks - 1).to(tl.int64)
+            blk = page_block_of(nxt, num_kv_blocks)
             row = ((k_first + offs_n).to(tl.uint32) % page_u).to(tl.int32)
             nxt = page_entries(page_row, k_first + offs_n + BLOCK_N, offs_n + BLOCK_N < len_k, page_size)
             if META.WIDE_ROWS:
@@ -285,8 +286,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
             v_ptrs = v_base + v_off[:, None] + offs_dv[None, :]
         elif PAGE_BLOCK:  # the block inside one page (k_first = 0): one page-table read
             first = n_block * BLOCK_N
-            blk = tl.load(page_row + first // page_size)
-            blk = tl.minimum(tl.maximum(blk, 0), num_kv_blocks - 1).to(tl.int64)
+            blk = page_block_of(tl.load(page_row + first // page_size), num_kv_blocks)
             row = (first % page_size + offs_n0).to(tl.int64)
             k_off = blk * stride_kb + row * stride_kn
             v_off = k_off if META.KV_SAME else blk * stride_vb + row * stride_vn
