@@ -430,6 +430,75 @@ def test_activate_call_restore_through_the_dispatcher(monkeypatch):
             torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
 
 
+def test_flash_first():
+    flash, cudnn, eff, math = (int(b) for b in (torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                               torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                               torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                               torch.nn.attention.SDPBackend.MATH))
+    assert sdpa._flash_first([cudnn, flash, eff, math]) == [flash, cudnn, eff, math]  # torch's sm90 order
+    assert sdpa._flash_first([eff, cudnn, math, flash]) == [eff, flash, cudnn, math]
+    assert sdpa._flash_first([flash, eff, math, cudnn]) is None  # flash ahead already
+    assert sdpa._flash_first([eff, math]) is None
+
+
+class _TorchPriority:
+    """torch's SDPA priority order as ``sdp_utils.cpp`` keeps it: a default set by the
+    context, replaced once, at the first choice of a backend on a GPU, by ``installed``
+    (cuDNN first on sm90)."""
+
+    def __init__(self, default, installed):
+        self.order, self.installed, self.init, self.choices = list(default), installed, False, 0
+
+    def get(self):
+        return list(self.order)
+
+    def set(self, order):
+        self.order = list(order)
+
+    def choose(self, q, k, v, *args, **kwargs):
+        self.choices += 1
+        if not self.init:
+            self.init = True
+            self.order = list(self.installed)
+        return self.order[0]
+
+
+def test_activation_puts_flash_ahead_of_cudnn_on_sm90(monkeypatch):
+    """Where torch tries cuDNN first (sm90, recent cuDNN), a plain SDPA call reaches the
+    flash backend only if activation moves flash ahead; restoring puts torch's order back
+    unless something changed it in between. Elsewhere (another GPU, the CPU key) nothing."""
+    SDPBackend = torch.nn.attention.SDPBackend
+    flash, cudnn, eff, math = (int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION),
+                               int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.MATH))
+    torch_sm90 = [cudnn, flash, eff, math]
+    prio = _TorchPriority([flash, eff, math, cudnn], torch_sm90)
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", prio.get)
+    monkeypatch.setattr(torch._C, "_set_sdp_priority_order", prio.set)
+    monkeypatch.setattr(torch, "_fused_sdp_choice", prio.choose)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: None)  # (no CUDA tensor here)
+    target = {"t": "sm90"}
+    monkeypatch.setattr(dispatch, "target_of", lambda device: target["t"])
+
+    assert sdpa._prefer_flash("CPU") is None and prio.choices == 0
+    priority = sdpa._prefer_flash("CUDA")
+    assert prio.init, "torch's one-time default must be installed before the order is set"
+    assert priority == (torch_sm90, [flash, cudnn, eff, math]) and prio.get() == [flash, cudnn, eff, math]
+    assert prio.choose(None, None, None) == flash  # a later choice keeps it
+    sdpa._Handle(None, None, (), "CUDA", priority).remove()
+    assert prio.get() == torch_sm90
+
+    priority = sdpa._prefer_flash("CUDA")
+    prio.set([math, flash, cudnn, eff])  # the user's own order after activation: left alone
+    sdpa._Handle(None, None, (), "CUDA", priority).remove()
+    assert prio.get() == [math, flash, cudnn, eff]
+
+    prio.set(torch_sm90)
+    target["t"] = "default"  # not sm90: triflash hands every call on, the order stays torch's
+    assert sdpa._prefer_flash("CUDA") is None and prio.get() == torch_sm90
+
+
 # ---- on an sm90 GPU: F.scaled_dot_product_attention -------------------------------------
 
 def _kernel_names(fn):
@@ -483,6 +552,29 @@ def test_sdpa_on_gpu(d, causal, gqa, monkeypatch):
     (out_builtin, _), names = _kernel_names(run)
     assert any("flash" in n for n in names) and not any(n.startswith(TRIFLASH_KERNELS) for n in names), sorted(names)
     assert max_err(out_builtin, out_ref) <= fa_tolerance(out_ref, out_lowp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@needs_registry
+def test_plain_sdpa_call_runs_triflash_on_gpu(monkeypatch):
+    """Activation alone, no sdpa_kernel: a plain F.scaled_dot_product_attention call on sm90
+    runs triflash (torch would try cuDNN first there), and restoring gives torch back its
+    priority order."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the backend serves sm90 GPUs; elsewhere every call goes to torch's kernel")
+    q, k, v = _sdpa_inputs(2, 16, 4, 1024, 1024, 128, "bshd", dtype=torch.bfloat16)
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # torch's order installed
+    before = torch._C._get_sdp_priority_order()
+    attention.activate_flash_attention_impl("triflash")
+    try:
+        out, names = _kernel_names(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    finally:
+        attention.restore_flash_attention_impl()
+    assert any("hopper_fwd_kernel" in n for n in names), sorted(names)
+    assert torch._C._get_sdp_priority_order() == before
+    out_ref, _, out_lowp = _ref(q, k, v, causal=True)
+    assert max_err(out, out_ref) <= fa_tolerance(out_ref, out_lowp)
 
 
 # ---- torch's context parallelism over triflash (one GPU) -----------------------------------

@@ -6,6 +6,10 @@
     ...  # SDPA's flash backend (and varlen_attn) now run triflash's kernels on sm90
     restore_flash_attention_impl()       # torch's own flash kernel again
 
+On sm90 torch >= 2.9 with a recent cuDNN tries cuDNN before flash, so activation also moves
+flash just ahead of cuDNN in SDPA's priority order (``_prefer_flash``; restoring puts torch's
+order back): a plain call goes to triflash, one with an attention mask still to cuDNN.
+
 How torch's registry works (torch/nn/attention/_registry.py, torch >= 2.10; read at 2.11
 and 2.14): ``register_flash_attention_impl(name, register_fn=fn)`` only records ``fn``;
 ``activate_flash_attention_impl(name)`` first restores (removes the active impl's handle),
@@ -64,6 +68,7 @@ negative is unbounded, a side >= seqlen_k is unbounded, ``is_causal`` sets the r
 import inspect
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from .. import dispatch, ops
 from ..kernels import problem
@@ -162,21 +167,68 @@ def _previous_kernel(op_name: str, dispatch_key: str):
 
 class _Handle:
     """What ``activate_flash_attention_impl`` keeps; ``remove()`` (restore) destroys the
-    Library, so torch's kernels serve again."""
+    Library, so torch's kernels serve again, and puts back SDPA's priority order if
+    activation changed it (``_prefer_flash``) and nothing changed it since."""
 
-    def __init__(self, library, kernels, ops_registered, dispatch_key):
+    def __init__(self, library, kernels, ops_registered, dispatch_key, priority=None):
         self.library = library
         self.kernels = kernels
         self.ops = ops_registered          # the aten ops overridden
         self.dispatch_key = dispatch_key
+        self.priority = priority           # (order before, order set) from _prefer_flash
 
     def remove(self) -> None:
         global _active
         if self.library is not None:
             self.library._destroy()
             self.library = None
+        if self.priority is not None:
+            before, set_here = self.priority
+            if list(torch._C._get_sdp_priority_order()) == set_here:
+                torch._C._set_sdp_priority_order(before)
+            self.priority = None
         if _active is self:
             _active = None
+
+
+def _flash_first(order):
+    """SDPA's backend priority ``order`` (ints of ``SDPBackend``) with flash moved just ahead
+    of cuDNN; None where flash is ahead already."""
+    flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+    order = list(order)
+    if flash not in order or cudnn not in order or order.index(flash) < order.index(cudnn):
+        return None
+    order.remove(flash)
+    order.insert(order.index(cudnn), flash)
+    return order
+
+
+def _prefer_flash(dispatch_key):
+    """On sm90 with a recent cuDNN, torch >= 2.9 tries cuDNN before flash
+    (``check_prefer_cudnn_attention`` in aten's ``sdp_utils.cpp``), so a call cuDNN serves
+    never reaches the flash backend, triflash. Move flash just ahead of cuDNN in SDPA's
+    priority order; what flash does not take (an attention mask, ...) still goes to cuDNN.
+    Returns (order before, order set), or None where nothing changed."""
+    get_order = getattr(torch._C, "_get_sdp_priority_order", None)
+    set_order = getattr(torch._C, "_set_sdp_priority_order", None)
+    if dispatch_key != "CUDA" or get_order is None or set_order is None or not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    if dispatch.target_of(device) != "sm90":
+        return None
+    # torch installs its default order once, at the first choice of a backend on a GPU; that
+    # choice is made here, or a later call would replace the order set below
+    x = torch.zeros(1, 1, 1, 8, device=device, dtype=torch.bfloat16)
+    try:
+        torch._fused_sdp_choice(x, x, x)
+    except RuntimeError:  # every backend switched off by the user: the order does not matter now
+        pass
+    before = list(get_order())
+    order = _flash_first(before)
+    if order is None:
+        return None
+    set_order(order)
+    return before, order
 
 
 def activate_kernels(dispatch_key=None) -> _Handle:
@@ -197,7 +249,7 @@ def activate_kernels(dispatch_key=None) -> _Handle:
     except Exception:
         library._destroy()
         raise
-    _active = _Handle(library, kernels, tuple(names), key)
+    _active = _Handle(library, kernels, tuple(names), key, _prefer_flash(key))
     return _active
 
 
