@@ -194,7 +194,7 @@ def test_kvcache_paged_rotary_compiles_fullgraph():
             return_softmax_lse=True)
 
     k_eager, v_eager = k_blocks.clone(), v_blocks.clone()
-    ref, lse_ref = step(q, k_eager, v_eager, k_new, v_new)
-    out, lse = torch.compile(step, backend=BACKEND, fullgraph=True)(q, k_blocks, v_blocks, k_new, v_new)
+    ref, lse_ref, *_ = step(q, k_eager, v_eager, k_new, v_new)
+    out, lse, *_ = torch.compile(step, backend=BACKEND, fullgraph=True)(q, k_blocks, v_blocks, k_new, v_new)
     assert max_err(out, ref) == 0.0 and torch.equal(lse, lse_ref)
     assert torch.equal(k_blocks, k_eager) and torch.equal(v_blocks, v_eager)

@@ -75,7 +75,7 @@ def test_decode_matches_reference(case, dtype, monkeypatch):
     seen = []
     real_fwd = decode.fwd
     monkeypatch.setattr(decode, "fwd", lambda *a, **k: seen.append(a[-1]) or real_fwd(*a, **k))
-    out, lse = triflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table,
+    out, lse, *_ = triflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table,
                                                 causal=causal, window_size=window, softcap=softcap,
                                                 num_splits=splits, return_softmax_lse=True)
     assert seen == [splits], "the decode kernel serves this call"
@@ -98,7 +98,7 @@ def test_splits_agree_and_empty_sequences():
     lens = torch.tensor([0, 3, 200], **I32)
     outs = []
     for splits in (1, 2, 5, 13):
-        out, lse = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits,
+        out, lse, *_ = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits,
                                                     return_softmax_lse=True, causal=True)
         assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
         assert torch.isfinite(out).all() and torch.isfinite(lse[1:]).all()
@@ -121,7 +121,7 @@ def test_varlen_queries_and_cache_forms():
     idx = torch.tensor([4, 0, 2], **I32)
     leftpad = torch.tensor([0, 7, 30], **I32)
     lens = torch.tensor([90, 41, 77], **I32)
-    out, lse = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_batch_idx=idx,
+    out, lse, *_ = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_batch_idx=idx,
                                                 cache_leftpad=leftpad, cu_seqlens_q=cu, max_seqlen_q=3,
                                                 causal=True, num_splits=3, return_softmax_lse=True)
     for b in range(batch):
@@ -152,7 +152,7 @@ def test_longest_first_order(num_splits, monkeypatch):
     real_alloc = decode.alloc_fwd_outputs
     monkeypatch.setattr(decode, "alloc_fwd_outputs",
                         lambda *a: (lambda o, l: (o.copy_(poison), l.fill_(float("nan"))))(*real_alloc(*a)))
-    out, lse = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=num_splits,
+    out, lse, *_ = triflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=num_splits,
                                                 return_softmax_lse=True)
     assert [m.BLOCK_B for m in metas] == [64]
     for b in range(batch):
@@ -199,7 +199,7 @@ def test_kv_strides_and_row_offsets(page, wide, monkeypatch):
     for v_cache in (v, k):  # different strides, then K and V the same tensor
         with monkeypatch.context() as m:
             metas = _record_metas(m)
-            out, lse = triflash.flash_attn_with_kvcache(q, k, v_cache, cache_seqlens=lens, page_table=table,
+            out, lse, *_ = triflash.flash_attn_with_kvcache(q, k, v_cache, cache_seqlens=lens, page_table=table,
                                                         causal=True, return_softmax_lse=True)
         assert [(m.KV_SAME, m.WIDE_ROWS) for m in metas] == [(v_cache is k, wide)]
         v_log = vl if v_cache is v else kl
@@ -263,7 +263,7 @@ def test_graph_replay_equals_eager(page):
 
     def step():
         return triflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                                                page_table=table, causal=True, return_softmax_lse=True)
+                                                page_table=table, causal=True, return_softmax_lse=True)[:2]
 
     eager_out, eager_lse = (x.clone() for x in step())
     side = torch.cuda.Stream()

@@ -59,6 +59,18 @@ FA3_SIGNATURES = {  # hopper/flash_attn_interface.py
                                "window_size=(-1,-1) attention_chunk=0 softcap=0.0 rotary_interleaved=True "
                                "scheduler_metadata=None num_splits=0 pack_gqa=None sm_margin=0 "
                                "return_softmax_lse=False",
+    # the low-level pair FA3's module also exports (callers import them by name)
+    "_flash_attn_forward": "q k v k_new=None v_new=None qv=None out_=None cu_seqlens_q=None cu_seqlens_k=None "
+                           "cu_seqlens_k_new=None seqused_q=None seqused_k=None max_seqlen_q=None "
+                           "max_seqlen_k=None page_table=None kv_batch_idx=None leftpad_k=None rotary_cos=None "
+                           "rotary_sin=None seqlens_rotary=None q_descale=None k_descale=None v_descale=None "
+                           "softmax_scale=None causal=False window_size_left=-1 window_size_right=-1 "
+                           "attention_chunk=0 softcap=0.0 rotary_interleaved=True scheduler_metadata=None "
+                           "num_splits=1 pack_gqa=None sm_margin=0",
+    "_flash_attn_backward": "dout q k v out softmax_lse cu_seqlens_q=None cu_seqlens_k=None sequed_q=None "
+                            "sequed_k=None max_seqlen_q=None max_seqlen_k=None dq=None dk=None dv=None "
+                            "softmax_scale=None is_causal=False window_size_left=-1 window_size_right=-1 "
+                            "softcap=0.0 deterministic=False sm_margin=0",
 }
 
 
@@ -188,12 +200,36 @@ def test_rotary_interleaved_forms():
 
 
 def test_return_flags_by_truth_value():
-    """FA3 returns (out, lse) when ``return_attn_probs`` / ``return_softmax_lse`` is truthy."""
+    """FA3 returns (out, lse) when ``return_attn_probs`` is truthy, (out, lse, out_accum,
+    lse_accum) when ``return_softmax_lse`` is."""
     q, k, v = _qkv()
     out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=1)
     assert lse.shape == (2, 4, 37)
-    out, lse, *rest = triflash.flash_attn_with_kvcache(q, k, v, return_softmax_lse=1)  # FA3's test's form
-    assert lse.shape == (2, 4, 37)
+    res = triflash.flash_attn_with_kvcache(q, k, v, return_softmax_lse=1)  # FA3's test's form
+    assert len(res) == 4 and res[1].shape == (2, 4, 37)  # (out, lse, out_accum, lse_accum)
+    assert res[2].numel() == 0 and res[3].numel() == 0
+
+
+def test_arguments_fa3_reads_only_with_others():
+    """FA3 reads ``cu_seqlens_k_new`` only with new k / v, and the descales only for fp8
+    inputs: with neither they change nothing (SGLang passes both unconditionally)."""
+    q, k_cache, v_cache = _qkv(sq=1)
+    lens = torch.tensor([30, 11], **I32)
+    cu_q = torch.tensor([0, 1, 2], **I32)
+    want = triflash.flash_attn_with_kvcache(q.flatten(0, 1), k_cache, v_cache, cache_seqlens=lens, cu_seqlens_q=cu_q,
+                                            max_seqlen_q=1, causal=True)
+    got = triflash.flash_attn_with_kvcache(q.flatten(0, 1), k_cache, v_cache, cache_seqlens=lens, cu_seqlens_q=cu_q,
+                                           cu_seqlens_k_new=lens.new_tensor([0, 30, 41]), max_seqlen_q=1,
+                                           causal=True)
+    assert _same(got, want)
+    scale = torch.ones(2, 2, dtype=torch.float32, device=q.device)
+    got = triflash.flash_attn_with_kvcache(q.flatten(0, 1), k_cache, v_cache, cache_seqlens=lens, cu_seqlens_q=cu_q,
+                                           max_seqlen_q=1, causal=True, q_descale=scale, k_descale=scale,
+                                           v_descale=scale)
+    assert _same(got, want)
+    q, k, v = _qkv()
+    assert _same(triflash.flash_attn_func(q, k, v, causal=True, k_descale=scale),
+                 triflash.flash_attn_func(q, k, v, causal=True))
 
 
 @pytest.mark.parametrize("form,canonical", [
@@ -377,7 +413,7 @@ def test_cache_batch_idx_picks_page_table_rows(case):
 
     def call(tbl, batch_idx):
         kb, vb = k_blocks.clone(), v_blocks.clone()
-        out, lse = triflash.flash_attn_with_kvcache(
+        out, lse, *_ = triflash.flash_attn_with_kvcache(
             q_in, kb, vb, k_new, v_new, cache_seqlens=seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad,
             page_table=tbl, cu_seqlens_q=cu, max_seqlen_q=max(lens_q) if varlen else None, causal=causal,
             window_size=window, return_softmax_lse=True)
@@ -453,3 +489,72 @@ def test_max_seqlen_refused_forms():
         triflash.flash_attn_varlen_func(q, q, q, cu, cu, 6, torch.tensor([6, 6]))
     with pytest.raises(ValueError, match=r"k.shape\[0\]=3 is not supported: .*batch size 2"):
         triflash.flash_attn_varlen_func(q, _rand(3, 5, 2, 16), _rand(3, 5, 2, 16), cu, None, 6, None)
+
+
+# ---- FA3's low-level pair: _flash_attn_forward / _flash_attn_backward ------------------------
+
+def test_flash_attn_forward_routes_as_fa3s_public_forwards():
+    """FA3's public forwards are calls of ``_flash_attn_forward`` with these arguments; each
+    gives what the public one gives, bitwise, plus two empty split accumulators."""
+    from triflash import _flash_attn_forward
+    q, k, v = _qkv()
+    scale = 0.3
+    want = triflash.flash_attn_func(q, k, v, scale, True, window_size=(9, -1), return_attn_probs=True)
+    # FlashAttnFunc's positional call
+    got = _flash_attn_forward(q, k, v, None, None, None, None, None, None, None, None, None, None, None, None,
+                              None, None, None, None, None, None, None, None, scale, causal=True,
+                              window_size_left=9, window_size_right=-1)
+    assert len(got) == 4 and got[2].numel() == 0 and got[3].numel() == 0 and _same(got[:2], want)
+    out_ = torch.full_like(q, float("nan"))
+    got = _flash_attn_forward(q, k, v, out_=out_, softmax_scale=scale, causal=True, window_size_left=9)
+    assert got[0] is out_ and _same(got[:2], want)
+
+    lens_q, lens_k = [5, 0, 19], [11, 7, 30]
+    qp, kp, vp = _rand(24, 4, 40, seed=3), _rand(48, 2, 40, seed=4), _rand(48, 2, 40, seed=5)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    want = triflash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 19, 30, causal=True, return_attn_probs=True)
+    got = _flash_attn_forward(qp, kp, vp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=19,
+                              max_seqlen_k=30, causal=True)
+    assert _same(got[:2], want)
+
+    q1, k_cache, v_cache = _qkv(sq=2)
+    k_new, v_new = _rand(2, 2, 2, 40, seed=7), _rand(2, 2, 2, 40, seed=8)
+    lens = torch.tensor([21, 9], **I32)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    want = triflash.flash_attn_with_kvcache(q1, kc, vc, k_new, v_new, cache_seqlens=lens, causal=True,
+                                            return_softmax_lse=True)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    got = _flash_attn_forward(q1, kc2, vc2, k_new, v_new, seqused_k=lens, causal=True)
+    assert _same(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_flash_attn_backward_writes_the_gradients(varlen):
+    """``_flash_attn_backward`` into poisoned dq / dk / dv: the gradients autograd gives
+    through the public forward (deterministic, so bitwise), and softmax_d = rowsum(dout * out)."""
+    from triflash import _flash_attn_backward
+    if varlen:
+        lens_q, lens_k = [5, 0, 19], [11, 7, 30]
+        q, k, v = _rand(24, 4, 40, seed=3), _rand(48, 2, 40, seed=4), _rand(48, 2, 40, seed=5)
+        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        fwd = (lambda q, k, v: triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 30, softmax_scale=0.3,
+                                                                causal=True, deterministic=True,
+                                                                return_attn_probs=True))
+        extra = (cu_q, cu_k, None, None, 19, 30)
+    else:
+        q, k, v = _qkv(sq=29)
+        fwd = (lambda q, k, v: triflash.flash_attn_func(q, k, v, 0.3, True, deterministic=True,
+                                                        return_attn_probs=True))
+        extra = (None,) * 6
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fwd(*leaves)
+    dout = torch.randn_like(out)
+    want = torch.autograd.grad(out, leaves, dout)
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    d = _flash_attn_backward(dout, q, k, v, out.detach(), lse, *extra, dq, dk, dv, 0.3, True,
+                             deterministic=True)
+    assert all(torch.equal(g, w) for g, w in zip((dq, dk, dv), want))
+    rows = (dout.float() * out.detach().float()).sum(-1)
+    assert torch.equal(d, rows.t() if varlen else rows.transpose(1, 2))
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        _flash_attn_backward(dout, q, k, v, out.detach(), lse, extra[0] if varlen else torch.zeros(3, **I32))

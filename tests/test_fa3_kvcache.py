@@ -30,7 +30,7 @@ What one case does, as FA3's does:
 
 Pruned from FA3's grid, with the reason:
 
-* fp8 (e4m3) inputs and their descales: triflash has no fp8 path (NotImplementedError);
+* fp8 (e4m3) inputs and their descales: triflash has no fp8 path (fp8 inputs raise TypeError);
 * FA3's ``attention_chunk`` > 0 draw (for causal/local): triflash raises NotImplementedError;
 * ``qv``: FA3's grid draws it only for d = 64 with dv >= 256; its kvcache grid has d = 128,
   dv = 128, so it never does (triflash also rejects qv);

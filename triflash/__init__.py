@@ -5,9 +5,9 @@ Layout: interface.py (public API) -> validation.py -> ops.py (torch.library) ->
 dispatch.py (which kernel serves which case) -> kernels/ (portable Triton tier).
 """
 from .dispatch import force_backend
-from .interface import (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                        flash_attn_combine, flash_attn_with_kvcache,
-                        get_scheduler_metadata)
+from .interface import (_flash_attn_backward, _flash_attn_forward, flash_attn_func,
+                        flash_attn_qkvpacked_func, flash_attn_varlen_func, flash_attn_combine,
+                        flash_attn_with_kvcache, get_scheduler_metadata)
 from .validation import set_check_inputs
 
 
@@ -26,4 +26,5 @@ _register_sdpa_backend()
 
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
-           "flash_attn_with_kvcache", "flash_attn_combine", "get_scheduler_metadata", "force_backend", "set_check_inputs"]
+           "flash_attn_with_kvcache", "flash_attn_combine", "get_scheduler_metadata", "force_backend", "set_check_inputs",
+           "_flash_attn_forward", "_flash_attn_backward"]  # (FA3's low-level pair, which callers import by name)

@@ -38,9 +38,11 @@ from .merge import merge_partials
 from .rotary import apply_rotary, token_positions
 
 
-def _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk):
-    V.reject_unsupported(qv=(qv, None), q_descale=(q_descale, None), k_descale=(k_descale, None),
-                         v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
+def _fa3_extras(qv, attention_chunk):
+    """FA3's ``qv`` and ``attention_chunk`` raise NotImplementedError. (Its fp8 descales need
+    no check: FA3 reads them only for fp8 inputs, which triflash refuses, and ignores them
+    otherwise, as here.)"""
+    V.reject_unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
 
 
 # Dense calls whose arguments passed validation, by signature -> (ints, floats) for the ops.
@@ -98,7 +100,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     (batch, nheads, seqlen_q), the fp32 natural-log log-sum-exp of the scaled scores.
     Differentiable in q, k, v. Scalars in any of FA3's forms (module docstring).
     ``num_splits``, ``pack_gqa`` and ``sm_margin`` are FA3 performance hints, accepted and
-    ignored; ``qv``, the fp8 descales and ``attention_chunk`` raise NotImplementedError.
+    ignored, as are the fp8 descales (FA3 reads them only for fp8 inputs, which triflash
+    refuses); ``qv`` and ``attention_chunk`` raise NotImplementedError.
     """
     key = None
     if (qv is None and q_descale is None and k_descale is None and v_descale is None
@@ -106,7 +109,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         key = _dense_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
     scalars = _VALIDATED.get(key) if key is not None else None
     if scalars is None:
-        _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
+        _fa3_extras(qv, attention_chunk)
         causal = V.as_flag("causal", causal)
         deterministic = V.as_flag("deterministic", deterministic)
         V.check_qkv(q, k, v, varlen=False)
@@ -145,7 +148,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (total_q, nheads, headdim_v) (a dense q: (batch, seqlen_q, nheads, headdim_v)), and lse
     (nheads, total_q) (a dense q: (batch, nheads, seqlen_q)) if return_attn_probs.
     """
-    _fa3_extras(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _fa3_extras(qv, attention_chunk)
     causal = V.as_flag("causal", causal)
     deterministic = V.as_flag("deterministic", deterministic)
     dense_q = dense_kv = None
@@ -216,7 +219,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
 
     The kernels read q, k and v as strided views of qkv, and the backward writes dq, dk
     and dv into views of one dqkv (no concatenation)."""
-    _fa3_extras(None, q_descale, k_descale, v_descale, attention_chunk)
+    _fa3_extras(None, attention_chunk)
     causal = V.as_flag("causal", causal)
     deterministic = V.as_flag("deterministic", deterministic)
     if not isinstance(qkv, torch.Tensor):
@@ -274,9 +277,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     (``rotary_interleaved``: GPT-J pairs, else GPT-NeoX halves); without the tables
     ``rotary_seqlens`` is ignored, as in FA3. Other scalars in any of FA3's forms (module
     docstring). Returns out (batch, seqlen_q, nheads, headdim_v) (varlen: (total_q, ...)),
-    and lse (batch, nheads, seqlen_q) (varlen: (nheads, total_q)) if return_softmax_lse
-    (FA3 appends its split accumulators to that tuple; its callers unpack
-    ``out, lse, *rest``, which this 2-tuple satisfies).
+    and with return_softmax_lse (out, lse, out_accum, lse_accum) as FA3 returns them: lse
+    (batch, nheads, seqlen_q) (varlen: (nheads, total_q)), the split accumulators empty.
 
     A decoding step (query tokens x the GQA group <= 64 rows per KV head) runs the decode
     kernel over every cache form: the query heads of a KV head packed into one tile, the
@@ -285,20 +287,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     plain dense cache run the dense forward (the Hopper tier on sm90), over the other forms
     the portable kernels. ``cu_seqlens_k_new`` (batch + 1,) int32: new k, v packed
     (total_new, nheads_kv, headdim[_v]), sequence b's new tokens rows cu_seqlens_k_new[b] ..
-    cu_seqlens_k_new[b + 1] - 1 (FA3's varlen append). FA3's ``qv``, fp8 descales and
-    ``attention_chunk`` raise NotImplementedError; ``scheduler_metadata`` (the plan, which
+    cu_seqlens_k_new[b + 1] - 1 (FA3's varlen append; without new k, v it is ignored, as in
+    FA3). FA3's ``qv`` and ``attention_chunk`` raise NotImplementedError, its fp8 descales
+    are ignored (as FA3 does for fp16 / bf16); ``scheduler_metadata`` (the plan, which
     the call recomputes from the shapes), ``pack_gqa`` and ``sm_margin`` are accepted and
     change nothing. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
     page_table, cu_seqlens_q) are checked on the host on the CPU or with
     ``triflash.set_check_inputs(True)``; otherwise the kernels clamp them (no fault) and new
     tokens past a sequence's cache are not written.
     """
-    V.reject_unsupported(qv=(qv, None),
-                         q_descale=(q_descale, None), k_descale=(k_descale, None),
-                         v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
+    _fa3_extras(qv, attention_chunk)
     causal = V.as_flag("causal", causal)
     rotary_interleaved = V.as_flag("rotary_interleaved", rotary_interleaved)
     varlen_q = cu_seqlens_q is not None
+    if k is None:  # (FA3 reads cu_seqlens_k_new only with new keys)
+        cu_seqlens_k_new = None
     if varlen_q:  # (FA3 reads max_seqlen_q only with cu_seqlens_q)
         max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     starts, used, capacity = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
@@ -336,7 +339,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                              cache_leftpad, page_table, ints + [max(num_splits, 0)], floats)
         else:  # prefill over a plain dense cache: the dense kernels (the Hopper tier on sm90)
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
-    return (out, lse) if return_softmax_lse else out
+    if not return_softmax_lse:
+        return out
+    none = out.new_empty(0, dtype=torch.float32)  # FA3's split accumulators, empty unless split
+    return out, lse, none, none
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
@@ -359,6 +365,100 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
                              int(max_seqlen_k), int(num_heads_q), int(num_heads_kv), int(headdim),
                              int(headdim_v), int(page_size or 0), max(int(num_splits), 0)).splits
     return torch.tensor([splits], dtype=torch.int32, device=device)
+
+
+def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None,
+                        cu_seqlens_k=None, cu_seqlens_k_new=None, seqused_q=None, seqused_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, page_table=None, kv_batch_idx=None,
+                        leftpad_k=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None,
+                        q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                        causal=False, window_size_left=-1, window_size_right=-1, attention_chunk=0,
+                        softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, num_splits=1,
+                        pack_gqa=None, sm_margin=0):
+    """FA3's one forward entry point (``flash_attn_interface._flash_attn_forward``, which its
+    three public forwards call), its arguments in its order: (out, softmax_lse, out_accum,
+    softmax_lse_accum), the split accumulators empty. With new keys, a page table,
+    ``kv_batch_idx``, ``leftpad_k`` or rotary tables k and v are a KV cache
+    (``flash_attn_with_kvcache``, ``seqused_k`` its cache_seqlens); else with cu_seqlens or
+    seqused counts ``flash_attn_varlen_func``; else ``flash_attn_func``. Differentiable in
+    q, k, v where those are. ``out_``: the output is written there too."""
+    window = (window_size_left, window_size_right)
+    common = dict(softmax_scale=softmax_scale, causal=causal, qv=qv, q_descale=q_descale, k_descale=k_descale,
+                  v_descale=v_descale, window_size=window, attention_chunk=attention_chunk, softcap=softcap,
+                  num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin)
+    if (k_new is not None or page_table is not None or kv_batch_idx is not None or leftpad_k is not None
+            or rotary_cos is not None):
+        if cu_seqlens_k is not None or seqused_q is not None:
+            V._fail("cu_seqlens_k" if cu_seqlens_k is not None else "seqused_q", "a tensor",
+                    "a KV cache (new keys, page_table, kv_batch_idx, leftpad_k or rotary tables) takes "
+                    "seqused_k as its lengths, not cu_seqlens_k / seqused_q")
+        out, lse, *_ = flash_attn_with_kvcache(
+            q, k, v, k_new, v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=seqused_k,
+            cache_batch_idx=kv_batch_idx, cache_leftpad=leftpad_k, page_table=page_table,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q,
+            rotary_seqlens=seqlens_rotary, rotary_interleaved=rotary_interleaved,
+            scheduler_metadata=scheduler_metadata, return_softmax_lse=True, **common)
+    elif (cu_seqlens_q is not None or cu_seqlens_k is not None or seqused_q is not None
+          or seqused_k is not None):
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          seqused_q, seqused_k, return_attn_probs=True, **common)
+    else:
+        out, lse = flash_attn_func(q, k, v, return_attn_probs=True, **common)
+    if out_ is not None:
+        with torch.no_grad():
+            out_.copy_(out)
+        out = out_
+    empty = out.new_empty(0, dtype=torch.float32)
+    return out, lse, empty, empty
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                         sequed_q=None, sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None,
+                         dk=None, dv=None, softmax_scale=None, is_causal=False, window_size_left=-1,
+                         window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0):
+    """FA3's backward entry point (``flash_attn_interface._flash_attn_backward``), its
+    arguments in its order (``sequed_q`` / ``sequed_k`` spelled as FA3 spells them): the
+    gradients of the forward that returned ``out`` and ``softmax_lse`` are written into dq,
+    dk and dv (allocated when None; any strides); returns softmax_d, the rows' sum of
+    dout * out in fp32, (batch, nheads, seqlen_q) dense, (nheads, total_q) varlen (FA3 pads
+    its last dim to its tile). Dense (batch, seqlen, nheads, headdim) tensors without
+    cu_seqlens, or packed (total, nheads, headdim) ones with both."""
+    is_causal = V.as_flag("is_causal", is_causal)
+    deterministic = V.as_flag("deterministic", deterministic)
+    varlen = cu_seqlens_q is not None
+    if (cu_seqlens_k is not None) != varlen:
+        name = "cu_seqlens_k" if varlen else "cu_seqlens_q"
+        V._fail(name, None, "the backward takes cu_seqlens_q and cu_seqlens_k together (packed q, k, v) "
+                "or neither (dense batches)")
+    V.check_qkv(q, k, v, varlen=varlen)
+    if varlen:
+        max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
+        max_seqlen_k = V.as_max_seqlen("max_seqlen_k", max_seqlen_k)
+        V.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sequed_q, sequed_k)
+    else:
+        if sequed_q is not None or sequed_k is not None:
+            V._fail("sequed_q" if sequed_q is not None else "sequed_k", "a tensor",
+                    "seqused counts come with cu_seqlens_q / cu_seqlens_k (packed tensors)")
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    for name, t, like in (("dout", dout, out), ("out", out, None)):
+        if like is not None and tuple(t.shape) != tuple(like.shape):
+            V._fail(f"{name}.shape", tuple(t.shape), f"expected out's shape {tuple(like.shape)}")
+    expected_lse = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(softmax_lse.shape) != expected_lse or softmax_lse.dtype != torch.float32:
+        V._fail("softmax_lse", f"{tuple(softmax_lse.shape)} {softmax_lse.dtype}",
+                f"expected the forward's fp32 lse {expected_lse}")
+    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    left, right = V.normalize_window((window_size_left, window_size_right), is_causal)
+    ints, floats = ops.pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap, deterministic)
+    q, k, v, out = (V.last_dim_contiguous(x) for x in (q, k, v, out))
+    with torch.no_grad():
+        grads = ops._bwd_impl(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                              ints, floats, dq=dq, dk=dk, dv=dv)
+        for given, grad in zip((dq, dk, dv), grads):
+            if given is not None and given.data_ptr() != grad.data_ptr():
+                given.copy_(grad)
+        d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen, heads) or (total, heads)
+        return d.transpose(0, 1).contiguous() if varlen else d.transpose(1, 2).contiguous()
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):

@@ -312,8 +312,6 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
         _fail("k, v", ("a tensor" if k is not None else None, "a tensor" if v is not None else None),
               "pass both new k and v, or neither")
     new_lens = None
-    if cu_seqlens_k_new is not None and k is None:
-        _fail("cu_seqlens_k_new", "a tensor", "describes new k and v: pass them too")
     if k is not None and cu_seqlens_k_new is not None:
         _check_tensor("k", k, 3)
         _check_tensor("v", v, 3)
