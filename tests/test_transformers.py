@@ -124,6 +124,25 @@ def test_packed_by_position_ids():
     _check(tri, alone, low)
 
 
+@pytest.mark.parametrize("rows", ["own", "shared"])
+def test_packed_by_position_ids_per_row(rows):
+    """Each row of a batch packs its own documents (the sdpa/eager masks read resets per row;
+    position_ids of one row apply to every row)."""
+    lens = {0: [9, 1, 14, 6], 1: [3, 17, 10]} if rows == "own" else {0: [9, 1, 14, 6], 1: [9, 1, 14, 6]}
+    docs = {r: _documents(ls, seed=2 + r) for r, ls in lens.items()}
+    ids = torch.stack([torch.cat(docs[r]) for r in (0, 1)]).to(DEVICE)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in lens[r]]) for r in (0, 1)]).to(DEVICE)
+    if rows == "shared":
+        pos = pos[:1]
+    models = _trio(_llama_cfg())
+    ref, low, tri = (o.logits for o in _run_all(models, input_ids=ids, position_ids=pos, use_cache=False))
+    _check(tri, ref, low)
+    with torch.no_grad():  # each document alone: the documents of a row do not see each other
+        alone = torch.stack([torch.cat([models[0](input_ids=d[None].to(DEVICE)).logits[0] for d in docs[r]])
+                             for r in (0, 1)])
+    _check(tri, alone, low)
+
+
 def test_packed_by_flattening_collator_kwargs(monkeypatch):
     # DataCollatorWithFlattening(return_flash_attn_kwargs=True) without position_ids: the
     # boundaries come from cu_seq_lens_q/k and max_length_q/k (0-d tensors) alone. RoPE is
@@ -162,6 +181,25 @@ def test_non_causal_encoder_padded():
     ref, low, tri = (o.last_hidden_state for o in _run_all(models, input_ids=ids, attention_mask=mask))
     valid = mask.bool()
     _check(tri[valid], ref[valid], low[valid], what="hidden states")
+
+
+@pytest.mark.parametrize("dec_len", [16, 11])
+def test_cross_attention_padded_encoder(dec_len):
+    """Bart: the decoder's queries see the encoder's valid keys; with as many decoder tokens as
+    encoder tokens the encoder's padding mask is not the queries' (transformers' FlashAttention
+    path takes it for one there and zeroes those rows)."""
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                  decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                                  eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0, init_std=0.1)
+    models = _trio(cfg, auto=transformers.AutoModelForSeq2SeqLM, ref_impl="eager")
+    ids = _ids(2, 16)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    dec = _ids(2, dec_len, seed=5)
+    ref, low, tri = (o.logits for o in _run_all(models, input_ids=ids, attention_mask=mask, decoder_input_ids=dec))
+    _check(tri, ref, low)
 
 
 def _differs(out, ref, low, what):
@@ -263,7 +301,8 @@ def _greedy(model, ids, mask, n, **kw):
 
 
 @pytest.mark.parametrize("cfg,cache,padded", [("llama", "dynamic", True), ("llama", "static", True),
-                                              ("llama", "static", False), ("mistral", "dynamic", True)])
+                                              ("llama", "static", False), ("mistral", "dynamic", True),
+                                              ("mistral", "static", True)])
 def test_generate_matches_sdpa(cfg, cache, padded):
     # Prefill then decode (seqlen_q = 1 against the whole cache, bottom-right causal). A static
     # cache hands attention all max_cache_len rows; generate() drops an all-ones mask, so the
@@ -272,7 +311,7 @@ def test_generate_matches_sdpa(cfg, cache, padded):
     ids = _ids(2, 7, seed=5)
     mask = torch.ones_like(ids)
     if padded:
-        mask[0, :3] = 0  # left padding, as generate() wants
+        mask[0, :3] = 0  # left padding, as generate() wants (inside Mistral's window for the first steps)
     kw = {"cache_implementation": "static"} if cache == "static" else {}
     (tok_ref, s_ref), (tok_low, s_low), (tok_tri, s_tri) = (_greedy(m, ids, mask, 8, **kw) for m in models)
     assert torch.equal(tok_tri, tok_low), (tok_tri, tok_low)
@@ -309,6 +348,21 @@ def test_refuses_what_it_cannot_serve():
         tf_integration.attention_mask(1, q_length=8, kv_length=8, use_vmap=True)
     out, weights = tf_integration.attention_forward(module, q, k, v, None)  # and it serves the plain case
     assert out.shape == (1, 8, 4, 16) and weights is None
+
+
+def test_sliding_window_over_inner_padding_refused():
+    """A window counts positions; unpadded it would count tokens. Padding between two tokens
+    lies in the window of the first query after it: refused (left or right padding is not)."""
+    models = _trio(_mistral_cfg())
+    ids = _ids(2, 20)
+    mask = torch.ones_like(ids)
+    mask[0, 11:13] = 0
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        _run_all(models[2:], input_ids=ids, attention_mask=mask)
+    mask = torch.ones_like(ids)
+    mask[0, 16:] = 0  # right padding: every valid query's window holds valid keys only
+    ref, low, tri = (o.logits for o in _run_all(models, input_ids=ids, attention_mask=mask))
+    _check(tri[mask.bool()], ref[mask.bool()], low[mask.bool()])
 
 
 def test_fp32_model_refused():

@@ -10,18 +10,24 @@
 
 What it serves, with transformers' own FlashAttention path (integrations/flash_attention.py,
 modeling_flash_attention_utils.py) as the convention: dense batches; padded batches (a 2-D
-padding mask, left or right padding: unpadded to flash_attn_varlen_func, re-padded with zeros
-at padding queries); packed sequences (``cu_seq_lens_q/k`` and ``max_length_q/k`` as
-DataCollatorWithFlattening(return_flash_attn_kwargs=True) gives them, or ``position_ids``
-that restart inside a batch of one); causal and non-causal (``module.is_causal`` or the
+padding mask, left or right padding: unpadded to flash_attn_varlen_func; causal attention
+re-padded with zeros at padding queries, non-causal attention, cross-attention included, with
+every query seeing every valid key, as eager); packed sequences (``cu_seq_lens_q/k`` and
+``max_length_q/k`` as DataCollatorWithFlattening(return_flash_attn_kwargs=True) gives them,
+or, without an attention mask, ``position_ids`` that restart inside a row, in a batch of any
+size: each row's documents apart, as the sdpa and eager masks read them when no mask and no
+cache is given; a batch of one packs also beside an all-ones mask or a cache, as
+transformers' FlashAttention path does); causal and non-causal (``module.is_causal`` or the
 ``is_causal`` argument) attention; ``sliding_window=w`` as ``window_size=(w - 1, w - 1)``:
 w keys up to and including the query's own when causal, ``w - 1`` on each side when not
 (ModernBERT passes its half window + 1); ``softcap``; GQA/MQA natively (no repeat_kv);
 generate() with dynamic, sliding-window and static caches (causal attention is
 bottom-right aligned, so a query block sees the whole cache before it).
 
-What it refuses, with an error naming the argument: attention dropout (``dropout`` > 0: set
-``attention_dropout=0.0`` in the config, or ``model.eval()``), attention sinks (``s_aux``),
+What it refuses, with an error naming the argument: a sliding window over padding that lies
+between a sequence's tokens (the window would count tokens, not positions), attention
+dropout (``dropout`` > 0: set ``attention_dropout=0.0`` in the config, or ``model.eval()``),
+attention sinks (``s_aux``),
 additive position biases (``position_bias``), 4-D or custom masks (``or_mask_function`` /
 ``and_mask_function``, a 4-D ``attention_mask``), chunked attention longer than its chunk,
 paged caches (``block_table``), fp32 tensors outside autocast (triflash computes in fp16 and
@@ -124,6 +130,11 @@ def attention_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_off
             return None
         return torch.ones(batch_size, n, dtype=torch.bool, device=device)
     attention_mask = attention_mask.bool()
+    if kv_offset > 0 and attention_mask.shape[-1] == n:
+        # this function's own output handed back (generate() builds a static cache's masks once and
+        # the model builds them again from that 2-D mask): already the keys kv_offset .., not
+        # absolute positions, which would reach at least kv_offset + n here
+        return None if bool(attention_mask.all()) and n == kv_length else attention_mask
     # The 2-D mask indexes absolute positions, keys are kv_offset .. kv_offset + kv_length - 1 (as sdpa_mask).
     short = kv_offset + kv_length - attention_mask.shape[-1]
     if short > 0:
@@ -258,19 +269,37 @@ def _flattened(q, k, v, kwargs, common, triflash):
 
 
 def _packed_cu_seqlens(position_ids, batch, seqlen_q):
-    """cu_seqlens (int32) when position_ids pack several sequences into a batch of one, else
-    None. A new sequence starts wherever the position does not follow the previous one by 1,
-    the rule of the sdpa/eager masks (masking_utils.py find_packed_sequence_indices)."""
-    if position_ids is None or batch != 1 or seqlen_q == 1 or position_ids.dim() != 2 \
-            or position_ids.shape[-1] != seqlen_q:
+    """cu_seqlens (int32) over the batch's flattened tokens when position_ids pack several
+    sequences into a row, else None. A new sequence starts at every row and wherever the
+    position does not follow the previous one by 1, the rule of the sdpa/eager masks
+    (masking_utils.py find_packed_sequence_indices, per row; position_ids of one row apply to
+    every row). transformers' FlashAttention path reads packing from a batch of one only."""
+    if position_ids is None or seqlen_q == 1 or position_ids.dim() != 2 or position_ids.shape[-1] != seqlen_q \
+            or position_ids.shape[0] not in (1, batch):
         return None
-    pos = position_ids[0]
-    starts = (pos.diff() != 1).nonzero().flatten() + 1
-    if starts.numel() == 0:
+    pos = position_ids.expand(batch, seqlen_q)
+    restart = pos.diff(dim=-1) != 1  # (batch, seqlen_q - 1): token j + 1 starts a sequence
+    if not bool(restart.any()):
         return None
-    zero = torch.zeros(1, dtype=torch.int32, device=pos.device)
-    end = torch.full((1,), seqlen_q, dtype=torch.int32, device=pos.device)
-    return torch.cat([zero, starts.to(torch.int32), end])
+    starts = F.pad(restart, (1, 0), value=True).flatten().nonzero().flatten().to(torch.int32)
+    end = torch.full((1,), batch * seqlen_q, dtype=torch.int32, device=pos.device)
+    return torch.cat([starts, end])
+
+
+def _window_sees_padding(mask, seqlen_q, left, right):
+    """Whether a valid query's window (``left`` keys before its position, ``right`` after)
+    holds a padding key that lies between two valid keys: unpadded, the window would count
+    tokens there instead of positions. (Padding before the first or after the last valid key
+    moves every token alike.)"""
+    n = mask.shape[1]
+    seen = mask.int().cumsum(-1)
+    inner = ~mask & (seen > 0) & (seen < seen[:, -1:])
+    before = F.pad(inner.int().cumsum(-1), (1, 0))  # before[:, j]: inner padding keys in [0, j)
+    pos = torch.arange(n - seqlen_q, n, device=mask.device)
+    lo = (pos - left).clamp(min=0)
+    hi = (pos + right + 1).clamp(max=n)
+    inside = before[:, hi] - before[:, lo]
+    return bool(((inside > 0) & mask[:, n - seqlen_q:]).any())
 
 
 def _padded(q, k, v, mask, common, triflash):
@@ -294,17 +323,26 @@ def _padded(q, k, v, mask, common, triflash):
     idx_k = mask.flatten().nonzero().flatten()
     k_un = k.reshape(-1, *k.shape[2:]).index_select(0, idx_k)
     v_un = v.reshape(-1, *v.shape[2:]).index_select(0, idx_k)
-    if common["causal"] or seqlen_q == n:
+    windowed = common["window_size"] != (-1, -1)
+    if common["causal"] or (windowed and seqlen_q == n):
         # Self-attention: the queries are the last seqlen_q keys (a cache holds the ones before),
         # so the valid queries are the last of each sequence's valid keys and causal attention
-        # aligned bottom-right per sequence is exact for left, right or inner padding.
+        # aligned bottom-right per sequence is exact for left, right or inner padding; a window
+        # counts the tokens left, which are the positions only while no padding lies between them.
         if seqlen_q > n:
             raise ValueError(f"triflash: {seqlen_q} queries but {n} keys in causal attention")
+        left, right = common["window_size"]
+        if windowed and _window_sees_padding(mask, seqlen_q, left, 0 if common["causal"] else right):
+            raise NotImplementedError(
+                "triflash: sliding_window over padding between a sequence's tokens (e.g. a right-padded prompt "
+                "followed by generated tokens): the window would count tokens, not positions; pad on the left, "
+                "or use attn_implementation='sdpa'")
         qmask = mask[:, n - seqlen_q:]
     else:
-        # Non-causal with as many queries as keys is an encoder; otherwise the keys are another
-        # sequence (cross-attention) or a cache: every query sees every valid key.
-        if common["window_size"] != (-1, -1):
+        # Without a causal mask or a window every query sees every valid key: cross-attention (the
+        # keys are another sequence, whatever its length), or an encoder, whose padding queries
+        # get what eager gives them.
+        if windowed:
             raise NotImplementedError("triflash: sliding_window in non-causal attention with a padding mask and a "
                                       "different number of queries and keys is ambiguous")
         qmask = torch.ones(batch, seqlen_q, dtype=torch.bool, device=q.device)
