@@ -131,6 +131,44 @@ def test_varlen_seqused_shape():
                                         seqused_k=torch.zeros(3, dtype=torch.int32, device=DEVICE))
 
 
+def test_seqused_beyond_its_sequence_checked():
+    """seqused counts more tokens than cu_seqlens gives the sequence: FA3 would read the next
+    sequence's; with the host checks it is an error naming the argument."""
+    q, k, v, cu = _varlen_inputs()
+    triflash.set_check_inputs(True)
+    try:
+        for name in ("seqused_k", "seqused_q"):
+            with expect(ValueError, name, r"\[4, 6\]"):
+                triflash.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6,
+                                                **{name: torch.tensor([5, 6], dtype=torch.int32, device=DEVICE)})
+        triflash.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, seqused_k=torch.tensor([4, 0], dtype=torch.int32,
+                                                                                     device=DEVICE))
+    finally:
+        triflash.set_check_inputs(False)
+
+
+def test_rotary_tables_cover_the_positions():
+    """Tables shorter than the positions rotated (cache_seqlens + the new tokens): an error with
+    the host checks (FA3 reads past them); exactly long enough passes."""
+    q = torch.randn(2, 3, 2, 16, device=DEVICE).half()
+    kc, vc = torch.randn(2, 12, 2, 16, device=DEVICE).half(), torch.randn(2, 12, 2, 16, device=DEVICE).half()
+    kn, vn = torch.randn(2, 3, 2, 16, device=DEVICE).half(), torch.randn(2, 3, 2, 16, device=DEVICE).half()
+    lens = torch.tensor([2, 7], dtype=torch.int32, device=DEVICE)
+    triflash.set_check_inputs(True)
+    try:
+        for n, ok in ((9, False), (10, True)):
+            cos = torch.ones(n, 4, device=DEVICE).half()
+            call = (lambda: triflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, rotary_cos=cos,
+                                                             rotary_sin=cos, cache_seqlens=lens, causal=True))
+            if ok:
+                call()
+            else:
+                with expect(ValueError, r"rotary_cos.shape\[0\]=9", "10 positions"):
+                    call()
+    finally:
+        triflash.set_check_inputs(False)
+
+
 def test_malformed_cu_seqlens_never_read_out_of_bounds():
     """With checks off, cu_seqlens past the tensor are clamped inside the kernel."""
     q, k, v, _ = _varlen_inputs()

@@ -320,6 +320,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if rotary:
             offsets = rotary_seqlens if rotary_seqlens is not None else starts
             same = left < 0 and right < 0
+            V.check_rotary_positions(rotary_cos, offsets, q, k, cu_seqlens_q, cu_seqlens_k_new, not same)
             q = apply_rotary(q, rotary_cos, rotary_sin,
                              token_positions(offsets, q.shape[-3], same, cu_seqlens_q, q.shape[0]),
                              rotary_interleaved)

@@ -6,8 +6,9 @@ rest pass through; each token is rotated at its own position.
 * ``interleaved=True`` (GPT-J): channel pairs (2j, 2j + 1).
 
 Computed in fp32 and rounded to the input's dtype. Positions past the cos/sin tables leave
-the token unrotated (cos 1, sin 0), as FlashAttention's rotary kernel does. Runs on device
-tensors without a host sync, and under torch.compile.
+the token unrotated (cos 1, sin 0), never a fault; the host checks refuse such calls
+(``validation.check_rotary_positions``). Runs on device tensors without a host sync, and
+under torch.compile.
 """
 import torch
 

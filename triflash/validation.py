@@ -204,6 +204,12 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     if _host_checks(q):
         _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+        for name, used, cu in (("seqused_q", seqused_q, cu_seqlens_q), ("seqused_k", seqused_k, cu_seqlens_k)):
+            if used is not None:
+                u, c = used.cpu(), cu.cpu()
+                if (u < 0).any() or (u > c[1:] - c[:-1]).any():
+                    _fail(name, u.tolist(), f"expected 0 <= {name}[b] <= the sequence's tokens in "
+                          f"cu_seqlens_{name[-1]}, {(c[1:] - c[:-1]).tolist()}")
 
 
 def _check_cu_seqlens(name, cu):
@@ -402,3 +408,19 @@ def check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch):
     if rotary_seqlens is not None:
         _check_index_vector("rotary_seqlens", rotary_seqlens, batch, q)
     return True
+
+
+def check_rotary_positions(rotary_cos, offsets, q, k, cu_seqlens_q, cu_seqlens_k_new, q_per_token):
+    """Data-dependent: the tables hold every position rotated, ``offsets`` (batch,) + i for
+    each sequence's new keys, and for its queries when they are rotated token by token (FA3
+    reads past a short table)."""
+    if offsets is None or not _host_checks(q):
+        return
+    lens = lambda cu, dense: (cu[1:] - cu[:-1]).cpu() if cu is not None else torch.full((offsets.shape[0],), dense)  # noqa: E731
+    n = lens(cu_seqlens_k_new, k.shape[1])
+    if q_per_token:
+        n = torch.maximum(n, lens(cu_seqlens_q, q.shape[-3]))
+    need = int((offsets.cpu().long() + n).max()) if n.numel() else 0
+    if need > rotary_cos.shape[0]:
+        _fail("rotary_cos.shape[0]", rotary_cos.shape[0], f"the tables must hold the {need} positions rotated "
+              "(rotary_seqlens or cache_seqlens + each sequence's new tokens)")
