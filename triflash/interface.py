@@ -342,8 +342,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
     if not return_softmax_lse:
         return out
-    none = out.new_empty(0, dtype=torch.float32)  # FA3's split accumulators, empty unless split
-    return out, lse, none, none
+    empty = out.new_empty(0, dtype=torch.float32)  # FA3's split accumulators (empty unless it splits)
+    return out, lse, empty, empty
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
