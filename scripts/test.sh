@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The test command: installs triflash and its test extra into a venv with whatever torch and
-# triton pip resolves (or a pinned pair), then runs the test suite. On a CPU the kernels run
-# under Triton's interpreter and the Hopper kernels are compiled for sm_90a (no GPU needed);
-# on a GPU the same tests run at realistic sizes.
+# The test command: installs triflash with its test and transformers extras into a venv, with
+# whatever torch and triton pip resolves (or a pinned pair), then runs the test suite. On a
+# CPU the kernels run under Triton's interpreter and the Hopper kernels are compiled for
+# sm_90a (no GPU needed); on a GPU the same tests run at realistic sizes.
 #
 #   bash scripts/test.sh [pytest args]
 #   VENV=path               the venv (default .venv; created if missing)
@@ -15,6 +15,6 @@ VENV="${VENV:-.venv}"
 pins=()
 if [ -n "${TORCH:-}" ]; then pins+=("torch==$TORCH"); fi
 if [ -n "${TRITON:-}" ]; then pins+=("triton==$TRITON"); fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]" ${pins[@]+"${pins[@]}"}
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,transformers]" ${pins[@]+"${pins[@]}"}
 "$VENV/bin/python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}", flush=True)'
 exec "$VENV/bin/python" -m pytest tests -q -n "${WORKERS:-2}" -p no:cacheprovider "$@"
