@@ -74,6 +74,41 @@ def test_return_lse_under_compile():
     out, lse = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v)
     out_e, lse_e = f(q, k, v)
     assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+    # lse is not differentiable, compiled as eager (its gradient would be left out otherwise)
+    assert out.requires_grad and not lse.requires_grad and not lse_e.requires_grad
+
+
+def test_compile_dynamic_shapes():
+    """torch.compile(dynamic=True): sizes and the scale symbolic; one graph serves two
+    sequence lengths, forward and backward equal to eager."""
+    def f(q, k, v):
+        return triflash.flash_attn_func(q, k, v, softmax_scale=0.2, causal=True, deterministic=True)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=BACKEND)
+    for sq, sk in ((33, 47), (21, 30)):
+        q, k, v = _qkv(sq=sq, sk=sk, seed=sq)
+        out = compiled(q, k, v)
+        dout = torch.randn_like(out)
+        out_e = f(q, k, v)
+        assert torch.equal(out, out_e)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(out_e, (q, k, v), dout)):
+            assert max_err(a, b) == 0.0
+
+
+def test_fa3_low_level_backward_compiles_fullgraph():
+    from triflash import _flash_attn_backward, _flash_attn_forward
+    q, k, v = (x.detach() for x in _qkv(seed=3))
+
+    def f(q, k, v, dout):
+        out, lse, *_ = _flash_attn_forward(q, k, v, causal=True)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_backward(dout, q, k, v, out, lse, None, None, None, None, None, None, dq, dk, dv,
+                             None, True, deterministic=True)
+        return dq, dk, dv
+
+    dout = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
+    got = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v, dout)
+    assert all(torch.equal(a, b) for a, b in zip(got, f(q, k, v, dout)))
 
 
 def test_permuted_layout_under_compile():

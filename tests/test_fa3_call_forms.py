@@ -558,3 +558,28 @@ def test_flash_attn_backward_writes_the_gradients(varlen):
     assert torch.equal(d, rows.t() if varlen else rows.transpose(1, 2))
     with pytest.raises(ValueError, match="cu_seqlens_k"):
         _flash_attn_backward(dout, q, k, v, out.detach(), lse, extra[0] if varlen else torch.zeros(3, **I32))
+
+
+def test_flash_attn_forward_into_out_keeps_the_gradient():
+    from triflash import _flash_attn_forward
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    buf = torch.empty_like(q)
+    out, *_ = _flash_attn_forward(q, k, v, out_=buf, causal=True)
+    assert out is buf and out.requires_grad
+    dout = torch.randn_like(out)
+    want = torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_combine_out_dtype_must_match():
+    """FA3: a given ``out`` has ``out_dtype`` (default out_partial's, fp32)."""
+    out_partial = torch.randn(3, 2, 5, 4, 16, device=DEVICE)
+    lse_partial = torch.randn(3, 2, 5, 4, device=DEVICE)
+    with pytest.raises(TypeError, match="out.dtype"):
+        triflash.flash_attn_combine(out_partial, lse_partial, out=torch.empty(2, 5, 4, 16, device=DEVICE).half(),
+                                    out_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="out.dtype"):
+        triflash.flash_attn_combine(out_partial, lse_partial, out=torch.empty(2, 5, 4, 16, device=DEVICE).half())
+    out = torch.empty(2, 5, 4, 16, device=DEVICE).half()
+    assert triflash.flash_attn_combine(out_partial, lse_partial, out=out, out_dtype=torch.float16)[0] is out

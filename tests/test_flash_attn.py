@@ -266,3 +266,41 @@ def test_backward_fills_no_gradient_for_lse(packed):
         grads = torch.autograd.grad(out, inputs, dout, retain_graph=True)
     assert tuple(lse.shape) not in fills.shapes
     assert all(g_.shape == x.shape and torch.isfinite(g_).all() for g_, x in zip(grads, inputs))
+
+
+def test_no_second_derivative():
+    """A gradient taken with create_graph=True cannot be differentiated again: an error,
+    never a second-order term silently left out (the kernels' backward has no derivative)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 16, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_() for _ in range(3))
+    out = triflash.flash_attn_func(q, k, v)
+    dq, = torch.autograd.grad(out.float().pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(dq.float().pow(2).sum() + q.float().pow(2).sum(), q)
+    qkv = torch.randn(1, 16, 3, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    out = triflash.flash_attn_qkvpacked_func(qkv)
+    dqkv, = torch.autograd.grad(out.float().pow(2).sum(), qkv, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(dqkv.float().pow(2).sum(), qkv)
+    # create_graph with a loss that does not differentiate attention twice still works
+    out = triflash.flash_attn_func(q, k, v)
+    dq, = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+    assert torch.autograd.grad(q.float().pow(3).sum(), q)[0] is not None
+
+
+def test_dense_seqused_backward_zeroes_unused_rows(monkeypatch):
+    """The ops with seqused_k on a dense batch (no public backward uses it): key rows past
+    seqused_k get zero gradients, not what the allocation held."""
+    from triflash import ops
+    from triflash.kernels import portable
+    real = portable.alloc_output
+    monkeypatch.setattr(portable, "alloc_output", lambda *a, **kw: real(*a, **kw).fill_(float("nan")))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, s, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_()
+               for s in (12, 28, 28))
+    used = torch.tensor([20, 11], dtype=torch.int32, device=DEVICE)
+    out, _ = ops.attention(q, k, v, None, None, None, used, [12, 28, -1, 0, 1], [32 ** -0.5, 0.0])
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert not dq.isnan().any()
+    assert dk[0, 20:].eq(0).all() and dk[1, 11:].eq(0).all() and dv[0, 20:].eq(0).all() and dv[1, 11:].eq(0).all()
+    assert not dk[0, :20].isnan().any() and not dk[1, :11].isnan().any()

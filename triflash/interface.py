@@ -406,9 +406,7 @@ def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_
     else:
         out, lse = flash_attn_func(q, k, v, return_attn_probs=True, **common)
     if out_ is not None:
-        with torch.no_grad():
-            out_.copy_(out)
-        out = out_
+        out = out_.copy_(out)  # (recorded by autograd: the gradient flows through out_)
     empty = out.new_empty(0, dtype=torch.float32)
     return out, lse, empty, empty
 
@@ -453,11 +451,18 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_
     ints, floats = ops.pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap, deterministic)
     q, k, v, out = (V.last_dim_contiguous(x) for x in (q, k, v, out))
     with torch.no_grad():
-        grads = ops._bwd_impl(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
-                              ints, floats, dq=dq, dk=dk, dv=dv)
-        for given, grad in zip((dq, dk, dv), grads):
-            if given is not None and given.data_ptr() != grad.data_ptr():
-                given.copy_(grad)
+        if torch.compiler.is_compiling():  # the custom op (its own outputs), copied into dq, dk, dv
+            grads = ops.bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                            ints, floats)
+            for given, grad in zip((dq, dk, dv), grads):
+                if given is not None:
+                    given.copy_(grad)
+        else:
+            grads = ops._bwd_impl(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                                  ints, floats, dq=dq, dk=dk, dv=dv)
+            for given, grad in zip((dq, dk, dv), grads):
+                if given is not None and given.data_ptr() != grad.data_ptr():
+                    given.copy_(grad)
         d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen, heads) or (total, heads)
         return d.transpose(0, 1).contiguous() if varlen else d.transpose(1, 2).contiguous()
 
@@ -469,7 +474,8 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, retur
     nheads, headdim); lse_partial: out_partial's shape without headdim, each split's
     natural-log log-sum-exp. Returns (out, lse): out = sum_i exp(lse_i - lse) out_i in
     ``out_dtype`` (default out_partial's), written into ``out`` when given; lse =
-    logsumexp_i lse_i (fp32, -inf where every split saw nothing; out 0 there).
+    logsumexp_i lse_i (fp32, -inf where every split saw nothing; out 0 there). A given
+    ``out`` has ``out_dtype``.
     ``return_lse=False`` (FA4's option) returns out alone."""
     for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
@@ -478,9 +484,11 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, retur
         V._fail("lse_partial.shape", tuple(lse_partial.shape),
                 f"expected out_partial's shape without its last dim, {tuple(out_partial.shape[:-1])}")
     V.check_device(out_partial, lse_partial, out)
-    dtype = out_dtype if out_dtype is not None else (out.dtype if out is not None else out_partial.dtype)
+    dtype = out_dtype if out_dtype is not None else out_partial.dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         V._fail("out_dtype", dtype, "expected torch.float32, float16 or bfloat16")
+    if out is not None and out.dtype != dtype:  # (FA3 checks it too)
+        V._fail("out.dtype", out.dtype, f"expected out_dtype, {dtype} (out_partial's unless given)", TypeError)
     merged, lse = merge_partials(out_partial, lse_partial)
     if out is None:
         out = merged.to(dtype)

@@ -101,10 +101,12 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     ctx.scalars = (ints, floats)
+    # lse is returned for inspection (as in FlashAttention), not differentiable: a loss
+    # through it alone raises, and no gradient flows through it, compiled or eager
+    ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
-    # lse is returned for inspection; its gradient is not propagated (as in FlashAttention).
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
     dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      *ctx.scalars)
@@ -173,6 +175,7 @@ def _setup_context_qkvpacked(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(qkv, out, lse)
     ctx.scalars = (ints, floats)
+    ctx.mark_non_differentiable(lse)  # (as _setup_context)
 
 
 def _backward_qkvpacked(ctx, dout, dlse):
@@ -199,7 +202,6 @@ class _Attention(torch.autograd.Function):
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
         output = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(output[1])  # lse
         # lse's gradient is never read: without this autograd fills a zero (batch, heads,
         # seqlen_q) tensor for it on every backward (a kernel launch and an allocation)
         ctx.set_materialize_grads(False)
@@ -209,7 +211,10 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:  # (not materialized: out took no part in what is differentiated)
             return (None,) * 9
-        dq, dk, dv = _bwd_impl(dout, *ctx.saved_tensors, *ctx.scalars)
+        saved = ctx.saved_tensors
+        dq, dk, dv = _bwd_impl(dout, *saved, *ctx.scalars)
+        if torch.is_grad_enabled():  # create_graph=True
+            dq, dk, dv = _FirstOrderOnly.apply(3, dq, dk, dv, *saved[:3], dout)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -220,7 +225,6 @@ class _AttentionQKVPacked(torch.autograd.Function):
     def forward(ctx, qkv, ints, floats):
         output = _fwd_qkvpacked_impl(qkv, ints, floats)
         _setup_context_qkvpacked(ctx, (qkv, ints, floats), output)
-        ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)  # (as _Attention)
         return output
 
@@ -228,7 +232,25 @@ class _AttentionQKVPacked(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:
             return None, None, None
-        return _bwd_qkvpacked_impl(dout, *ctx.saved_tensors, *ctx.scalars), None, None
+        dqkv = _bwd_qkvpacked_impl(dout, *ctx.saved_tensors, *ctx.scalars)
+        if torch.is_grad_enabled():  # create_graph=True
+            dqkv, = _FirstOrderOnly.apply(1, dqkv, ctx.saved_tensors[0], dout)
+        return dqkv, None, None
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``apply(n, *grads, *inputs)``: the n gradients a backward computed with create_graph,
+    joined to the inputs they depend on, so that differentiating them raises (the kernels'
+    backward has no derivative of its own) instead of leaving out the second-order term."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("triflash: attention has no second derivative (its backward is not differentiable); "
+                           "double backward / gradient penalties through it are not supported")
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):

@@ -99,6 +99,8 @@ def _as_float(name, value, allowed):
     a bool: in a float slot it is a misplaced argument)."""
     if value.__class__ is float or value.__class__ is int:
         return float(value)
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):  # torch.compile(dynamic=True)
+        return torch.sym_float(value)
     if not isinstance(value, bool) and isinstance(value, numbers.Real):  # (numpy's bool is not Real)
         return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool \
@@ -134,11 +136,13 @@ def check_scalars(softmax_scale, softcap, headdim):
     soft-capping (FA3: "anything > 0 activates")."""
     allowed = "expected a finite float (or None for headdim**-0.5)"
     softmax_scale = headdim ** -0.5 if softmax_scale is None else _as_float("softmax_scale", softmax_scale, allowed)
-    if not math.isfinite(softmax_scale):
+    # (while torch.compile traces, dynamic=True makes both symbolic: their values are not known)
+    tracing = torch.compiler.is_compiling()
+    if not tracing and not math.isfinite(softmax_scale):
         _fail("softmax_scale", softmax_scale, allowed)
     allowed = "expected a finite float (> 0 soft-caps; 0 or below disables it)"
     softcap = _as_float("softcap", softcap, allowed)
-    if not math.isfinite(softcap):
+    if not tracing and not math.isfinite(softcap):
         _fail("softcap", softcap, allowed)
     return softmax_scale, max(softcap, 0.0)
 

@@ -119,8 +119,9 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
         # no query sees any key: every gradient is zero
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
-    # rows a varlen batch leaves uncovered (and keys no sequence owns) still get zeros
-    if varlen:
+    # rows a varlen batch leaves uncovered, keys no sequence owns and rows past seqused (a
+    # dense batch's too) still get zeros
+    if varlen or seqused_q is not None or seqused_k is not None:
         dq.zero_(), dk.zero_(), dv.zero_()
     qk_scale, softcap_log2 = p.score_constants()
     flags = _common_flags(q, v, p, upcast)
