@@ -440,6 +440,25 @@ def test_refuses_unsupported(kwargs, exc, message):
         cp.zigzag_ring_flash_attn_func(q[:, :23], k[:, :23], v[:, :23], causal=True)
 
 
+def test_llama3_checks_max_seqlens():
+    """As flash_attn_varlen_func: a max_seqlen below the longest sequence is an error (host
+    checks: on the CPU, or with set_check_inputs(True)), not a silently truncated result."""
+    import triflash
+    from triflash import context_parallel as cp
+    from conftest import DEVICE
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(64, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(3))
+    cu = torch.tensor([0, 60, 64], dtype=torch.int32, device=DEVICE)
+    triflash.set_check_inputs(True)
+    try:
+        for name, args in (("max_seqlen_q", (8, 60)), ("max_seqlen_k", (60, 8))):
+            with pytest.raises(ValueError, match=f"{name}=8 .*longest sequence, 60"):
+                cp.llama3_flash_attn_varlen_func(q, k, v, cu, cu, *args, 1, slice(0, 64), causal=True)
+        cp.llama3_flash_attn_varlen_func(q, k, v, cu, cu, 60, 60, 1, slice(0, 64), causal=True)
+    finally:
+        triflash.set_check_inputs(False)
+
+
 def test_merge_handles_rows_without_keys():
     """A partial result whose row saw no key (out 0, lse -inf) leaves the other side exactly;
     two such sides stay out 0, lse -inf (no NaN from exp(-inf - -inf))."""

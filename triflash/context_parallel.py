@@ -382,7 +382,13 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     stride = V.as_int("heads_k_stride", heads_k_stride, "expected an int dividing nheads_kv")
     if stride <= 0 or k.shape[1] % stride:
         V._fail("heads_k_stride", stride, f"expected a positive divisor of nheads_kv={k.shape[1]}")
-    out, lse = _Llama3Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+    max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = V.as_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if V._host_checks(q):  # (as flash_attn_varlen_func's: on the CPU, or with set_check_inputs(True))
+        keys = len(range(_rank_world(group)[1] * k.shape[0])[local_k_slice])  # the gathered keys it reads
+        V._check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        V._check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, keys, max_seqlen_k)
+    out, lse = _Llama3Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       stride, local_k_slice, scale, causal, deterministic, group)
     return (out, lse, None) if return_attn_probs else out
 
