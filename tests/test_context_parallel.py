@@ -459,6 +459,37 @@ def test_llama3_checks_max_seqlens():
         triflash.set_check_inputs(False)
 
 
+def _mismatch_worker(rank, world, tmp):
+    os.environ["TRITON_INTERPRET"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    from triflash import context_parallel as cp
+    try:
+        dtype = torch.float16 if rank == 0 else torch.bfloat16  # same size: the bytes would pass
+        q, k, v = (torch.randn(1, 16, h, 32).to(dtype) for h in (2, 1, 1))
+        try:
+            cp.ring_flash_attn_func(q, k, v)
+            result = "no error"
+        except ValueError as e:
+            result = str(e)
+        with open(f"{tmp}/rank{rank}.txt", "w") as f:
+            f.write(result)
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_dist
+@cpu_ranks
+def test_ranks_must_agree(tmp_path):
+    """Ranks passing different dtypes (or shapes) all raise, naming every rank's values, with
+    the host checks on (the CPU); unchecked, one dtype's bytes would be read as the other's."""
+    mp.start_processes(_mismatch_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "every rank must pass the same" in text and "float16" in text and "bfloat16" in text, text
+
+
 def test_merge_handles_rows_without_keys():
     """A partial result whose row saw no key (out 0, lse -inf) leaves the other side exactly;
     two such sides stay out 0, lse -inf (no NaN from exp(-inf - -inf))."""

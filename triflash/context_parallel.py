@@ -81,6 +81,31 @@ def _check(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
     return softmax_scale, causal, deterministic
 
 
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check_ranks_agree(group, q, k, v, causal, scale):
+    """With the host checks (the CPU, or set_check_inputs(True)): every rank of ``group``
+    passes the same dtype, shapes, causal and scale, or every rank raises (a few numbers per
+    rank all-gathered, with the collective the ring already uses). Unchecked, a mismatch
+    reads another dtype's bytes or aborts inside the collective library."""
+    world = _rank_world(group)[1]
+    if not V._host_checks(q) or world == 1:
+        return
+    dims = [list(x.shape) + [-1] * (4 - x.dim()) for x in (q, k, v)]
+    mine = torch.tensor([_DTYPES.index(q.dtype), *dims[0], *dims[1], *dims[2], float(causal), scale],
+                        dtype=torch.float64, device=q.device)
+    every = torch.empty(world * mine.numel(), dtype=torch.float64, device=q.device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(world, -1).cpu()
+    if not bool((every == every[0]).all()):
+        readable = [f"{_DTYPES[int(r[0])]} q{tuple(int(x) for x in r[1:5] if x >= 0)} "
+                    f"k{tuple(int(x) for x in r[5:9] if x >= 0)} v{tuple(int(x) for x in r[9:13] if x >= 0)} "
+                    f"causal={bool(r[13])} scale={float(r[14]):.6g}" for r in every]
+        V._fail("q, k, v across ranks", readable, "every rank must pass the same dtype, q, k and v shapes, causal "
+                "and softmax_scale")
+
+
 def _rank_world(group):
     """(rank, world size); a process without an initialized default group is a world of one."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
@@ -220,6 +245,7 @@ def _ring_call(zigzag, q, k, v, dropout_p, softmax_scale, causal, window_size, a
                                           alibi_slopes, deterministic, varlen=False)
     if k.shape[1] != q.shape[1]:
         V._fail("k.shape[1]", k.shape[1], f"each rank's k/v shard must have q's local length {q.shape[1]}")
+    _check_ranks_agree(group, q, k, v, causal, scale)
     if zigzag and causal and q.shape[1] % 2:
         V._fail("q.shape[1]", q.shape[1], "zigzag needs an even local length (two chunks per rank; "
                 "the global length divisible by 2 * world size)")
@@ -384,6 +410,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         V._fail("heads_k_stride", stride, f"expected a positive divisor of nheads_kv={k.shape[1]}")
     max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = V.as_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_ranks_agree(group, q, k, v, causal, scale)
     if V._host_checks(q):  # (as flash_attn_varlen_func's: on the CPU, or with set_check_inputs(True))
         keys = len(range(_rank_world(group)[1] * k.shape[0])[local_k_slice])  # the gathered keys it reads
         V._check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)

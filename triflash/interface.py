@@ -475,7 +475,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, retur
     natural-log log-sum-exp. Returns (out, lse): out = sum_i exp(lse_i - lse) out_i in
     ``out_dtype`` (default out_partial's), written into ``out`` when given; lse =
     logsumexp_i lse_i (fp32, -inf where every split saw nothing; out 0 there). A given
-    ``out`` has ``out_dtype``.
+    ``out`` sets the dtype; with ``out_dtype`` too, the two must agree.
     ``return_lse=False`` (FA4's option) returns out alone."""
     for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
@@ -484,11 +484,11 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, retur
         V._fail("lse_partial.shape", tuple(lse_partial.shape),
                 f"expected out_partial's shape without its last dim, {tuple(out_partial.shape[:-1])}")
     V.check_device(out_partial, lse_partial, out)
-    dtype = out_dtype if out_dtype is not None else out_partial.dtype
+    if out is not None and out_dtype is not None and out.dtype != out_dtype:
+        V._fail("out.dtype", out.dtype, f"expected out_dtype, {out_dtype}", TypeError)
+    dtype = out_dtype if out_dtype is not None else (out.dtype if out is not None else out_partial.dtype)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         V._fail("out_dtype", dtype, "expected torch.float32, float16 or bfloat16")
-    if out is not None and out.dtype != dtype:  # (FA3 checks it too)
-        V._fail("out.dtype", out.dtype, f"expected out_dtype, {dtype} (out_partial's unless given)", TypeError)
     merged, lse = merge_partials(out_partial, lse_partial)
     if out is None:
         out = merged.to(dtype)
