@@ -134,6 +134,10 @@ def test_window_size_forms(fn):
         assert _same(call(window, False), want), form
     # any negative side is unbounded, as in FA3 (its kernels test "< 0")
     assert _same(call((-7, -2), False), call((-1, -1), False))
+    # a side past any sequence is unbounded, up to the largest int32 (the kernels' mask sums
+    # of row, shift and window must not wrap)
+    assert _same(call((2 ** 31 - 1, 2 ** 31 - 1), False), call((-1, -1), False))
+    assert _same(call((2 ** 31 - 1, -1), True), call((-1, -1), True))
     assert _same(call([-3, torch.tensor(-9)], True), call((-1, -1), True))
 
 

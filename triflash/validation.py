@@ -113,6 +113,9 @@ _WINDOW = "expected a pair (left, right) of ints, a negative one unbounded (FA3'
 _WINDOW_SIDE = "expected an int, negative for unbounded (FA3's -1; None is FA4's form)"
 
 
+_WINDOW_CAP = 1 << 30
+
+
 def normalize_window(window_size, causal):
     """(left, right) with -1 for unbounded; causal sets right = 0 (bottom-right aligned).
     window_size: FA3's forms, a tuple or list of two ints (or one-element integer tensors),
@@ -125,7 +128,9 @@ def normalize_window(window_size, causal):
     elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         _fail("window_size", window_size, _WINDOW)
     left, right = (as_int(f"window_size[{i}]", w, _WINDOW_SIDE) for i, w in enumerate(window_size))
-    left, right = max(left, -1), max(right, -1)
+    # a side past any sequence is unbounded in effect; capped, the kernels' 32-bit mask sums
+    # (row + shift + window) cannot wrap
+    left, right = min(max(left, -1), _WINDOW_CAP), min(max(right, -1), _WINDOW_CAP)
     if causal:
         right = 0
     return left, right

@@ -168,12 +168,15 @@ def flash_fwd_kernel(
     if m_block * BLOCK_M >= len_q:
         return
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m_block * BLOCK_M + rows
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < len_q
+    # the block's first row in 64 bits (a long sequence's row offset passes 2^31 elements),
+    # the rows inside the block in 32
     q_base = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-              + start_q.to(tl.int64) * stride_qm)
+              + (start_q + m_block * BLOCK_M).to(tl.int64) * stride_qm)
     if PAGED:  # rows found per key block (_paged_rows)
         k_base = K + head_kv.to(tl.int64) * stride_kh
         v_base = V + head_kv.to(tl.int64) * stride_vh
@@ -183,7 +186,7 @@ def flash_fwd_kernel(
         v_base = (V + kv_batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
                   + start_k.to(tl.int64) * stride_vn)
     page_row = PAGE_TABLE + batch.to(tl.int64) * stride_ptb
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -212,8 +215,8 @@ def flash_fwd_kernel(
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
     o_base = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-              + start_q.to(tl.int64) * stride_om)
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], to_output(out, O.dtype.element_ty, UPCAST),
+              + (start_q + m_block * BLOCK_M).to(tl.int64) * stride_om)
+    tl.store(o_base + rows[:, None] * stride_om + offs_dv[None, :], to_output(out, O.dtype.element_ty, UPCAST),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
     lse_base = LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
     tl.store(lse_base + (start_q + offs_m).to(tl.int64) * stride_lsem, lse, mask=row_ok)
