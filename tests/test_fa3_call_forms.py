@@ -587,3 +587,92 @@ def test_combine_out_dtype_must_match():
     out = torch.empty(2, 5, 4, 16, device=DEVICE).half()
     assert triflash.flash_attn_combine(out_partial, lse_partial, out=out, out_dtype=torch.float16)[0] is out
     assert triflash.flash_attn_combine(out_partial, lse_partial, out=out)[0] is out
+
+
+# FlashAttention-3's own compatibility pins (its test_flash3_bw_compatibility), written out here
+FA3_OP_SCHEMAS = {
+    "fwd": "flash_attn_3::fwd(Tensor q, Tensor k, Tensor v, Tensor(k_new!)? k_new=None, "
+           "Tensor(v_new!)? v_new=None, Tensor? q_v=None, Tensor(out!)? out=None, "
+           "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+           "Tensor? cu_seqlens_k_new=None, Tensor? seqused_q=None, Tensor? seqused_k=None, "
+           "int? max_seqlen_q=None, int? max_seqlen_k=None, Tensor? page_table=None, "
+           "Tensor? kv_batch_idx=None, Tensor? leftpad_k=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+           "Tensor? seqlens_rotary=None, Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None, "
+           "float? softmax_scale=None, bool is_causal=False, int window_size_left=-1, int window_size_right=-1, "
+           "int attention_chunk=0, float softcap=0., bool is_rotary_interleaved=False, "
+           "Tensor? scheduler_metadata=None, int num_splits=0, bool? pack_gqa=None, int sm_margin=0) "
+           "-> (Tensor(out!), Tensor, Tensor, Tensor)",
+    "bwd": "flash_attn_3::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+           "Tensor(dq!)? dq=None, Tensor(dk!)? dk=None, Tensor(dv!)? dv=None, Tensor? cu_seqlens_q=None, "
+           "Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None, int? max_seqlen_q=None, "
+           "int? max_seqlen_k=None, float? softmax_scale=None, bool is_causal=False, int window_size_left=-1, "
+           "int window_size_right=-1, float softcap=0., bool deterministic=False, int sm_margin=0) "
+           "-> (Tensor(dq!), Tensor(dk!), Tensor(dv!), Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "fwd_combine": "flash_attn_3::fwd_combine(Tensor out_partial, Tensor lse_partial, Tensor(out!)? out=None, "
+                   "ScalarType? out_dtype=None) -> (Tensor(out!), Tensor)",
+    "get_scheduler_metadata": "flash_attn_3::get_scheduler_metadata(int batch_size, int max_seqlen_q, "
+                              "int max_seqlen_k, int num_heads, int num_heads_k, int headdim, int headdim_v, "
+                              "ScalarType qkv_dtype, Tensor seqused_k, Tensor? cu_seqlens_q=None, "
+                              "Tensor? cu_seqlens_k=None, Tensor? cu_seqlens_k_new=None, Tensor? seqused_q=None, "
+                              "Tensor? leftpad_k=None, int? page_size=None, int max_seqlen_k_new=0, "
+                              "bool is_causal=False, int window_size_left=-1, int window_size_right=-1, "
+                              "int attention_chunk=0, bool has_softcap=False, int num_splits=0, "
+                              "bool? pack_gqa=None, int sm_margin=0) -> Tensor",
+}
+
+
+def _fa3_ops():
+    from triflash.integrations import fa3_ops
+    if not fa3_ops.register():
+        pytest.skip("FlashAttention-3 itself is installed: torch.ops.flash_attn_3 are its own")
+    return torch.ops.flash_attn_3
+
+
+@pytest.mark.parametrize("name", list(FA3_OP_SCHEMAS))
+def test_fa3_operator_schemas(name):
+    from torch._C import parse_schema
+    op = getattr(_fa3_ops(), name).default
+    assert op._schema.is_backward_compatible_with(parse_schema(FA3_OP_SCHEMAS[name]))
+
+
+def test_fa3_operators_compute_what_the_functions_do():
+    ops = _fa3_ops()
+    q, k, v = _qkv()
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, window_size=(9, -1), return_attn_probs=True)
+    given = torch.full_like(out, float("nan"))
+    res = ops.fwd(q, k, v, out=given, is_causal=True, window_size_left=9)
+    assert len(res) == 4 and res[0].data_ptr() == given.data_ptr()
+    assert _same((res[0], res[1]), (out, lse)) and res[2].numel() == 0 and res[3].numel() == 0
+    # varlen and the KV cache through the same operator, as FA3's C++ entry point takes them
+    lens = [5, 30]
+    cu = _cu(lens)
+    qp, kp, vp = (torch.cat([x[b, :n] for b, n in enumerate(lens)]) for x in (q, k, v))
+    res = ops.fwd(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=30, max_seqlen_k=30, is_causal=True)
+    assert _same(res[0], triflash.flash_attn_varlen_func(qp, kp, vp, cu, cu, 30, 30, causal=True))
+    seqlens = torch.tensor([20, 37], **I32)
+    res = ops.fwd(q[:, :1], k, v, seqused_k=seqlens, is_causal=True, num_splits=1)
+    assert _same(res[0], triflash.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=seqlens, causal=True,
+                                                          num_splits=1))
+    # backward: FA3's eight returns, gradients those of autograd
+    dout = _rand(*out.shape, seed=9)
+    dq, dk, dv, softmax_d, lse_log2, *accums = ops.bwd(dout, q, k, v, out, lse, is_causal=True, window_size_left=9)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    triflash.flash_attn_func(qg, kg, vg, causal=True, window_size=(9, -1)).backward(dout)
+    assert _same((dq, dk, dv), (qg.grad, kg.grad, vg.grad))
+    assert torch.allclose(softmax_d, (dout.float() * out.float()).sum(-1).transpose(1, 2), atol=1e-3)
+    assert torch.allclose(lse_log2, lse * 1.4426950408889634) and all(a.numel() == 0 for a in accums)
+    parts, part_lse = torch.randn(3, 2, 5, 4, 16, device=DEVICE), torch.randn(3, 2, 5, 4, device=DEVICE)
+    assert _same(ops.fwd_combine(parts, part_lse, out_dtype=torch.float16),
+                 triflash.flash_attn_combine(parts, part_lse, out_dtype=torch.float16))
+    plan = ops.get_scheduler_metadata(2, 1, 37, 4, 2, 40, 40, torch.float16, seqlens)
+    assert _same(plan, triflash.get_scheduler_metadata(2, 1, 37, 4, 2, 40, seqlens, torch.float16))
+
+
+def test_fa3_operators_trace_with_fake_tensors():
+    ops = _fa3_ops()
+    q, k, v = _qkv()
+    for op, args in ((ops.fwd.default, (q, k, v)), (ops.bwd.default, (q, q, k, v, q, _rand(2, 4, 37, seed=3).float())),
+                     (ops.fwd_combine.default, (torch.randn(3, 2, 5, 4, 16, device=DEVICE),
+                                                torch.randn(3, 2, 5, 4, device=DEVICE)))):
+        assert torch.library.opcheck(op, args, {}, test_utils=("test_schema", "test_faketensor")) == \
+            {"test_schema": "SUCCESS", "test_faketensor": "SUCCESS"}

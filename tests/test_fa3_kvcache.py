@@ -20,6 +20,8 @@ What one case does, as FA3's does:
   with a row per cache row, GPT-J (interleaved) or GPT-NeoX pairs, new keys at positions
   cache_seqlens + i, queries likewise when causal or local, else all at cache_seqlens;
 * local: window_size drawn as FA3 draws it, a 2-element integer tensor in [0, seqlen_k);
+* causal / local: FA3 also runs each case with an ``attention_chunk`` drawn in [1, 2 x
+  seqlen_k) (chunked local attention); here a case of its own, the chunk drawn from the case;
 * each call (FA3's num_splits 1 / 3 / 0, without and with get_scheduler_metadata, that
   one used twice) starts from the same caches; after it, the written rows hold the new
   (rotated) tokens, every other row of the physical caches is untouched, and the output
@@ -31,18 +33,17 @@ What one case does, as FA3's does:
 Pruned from FA3's grid, with the reason:
 
 * fp8 (e4m3) inputs and their descales: triflash has no fp8 path (fp8 inputs raise TypeError);
-* FA3's ``attention_chunk`` > 0 draw (for causal/local): triflash raises NotImplementedError;
 * ``qv``: FA3's grid draws it only for d = 64 with dv >= 256; its kvcache grid has d = 128,
-  dv = 128, so it never does (triflash also rejects qv);
+  dv = 128, so it never does (tests/test_fa3_extras.py tests qv, MLA's decode included);
 * has_rotary_seqlens: FA3's grid runs only False (True is commented out there); kept so;
 * exact duplicates run once: rotary_interleaved without rotary, and the seqlen_new choice
   without new keys, change nothing in what is computed.
 
-On the GPU the remaining grid (28,512 cases) runs at FA3's sizes (batch 5, 6 heads, d 128,
-seqlen pairs 1 x 128 .. 2048 x 3577 and 16 x 20000, page sizes None / 1 / 4 / 128): whole
-with ``TRIFLASH_FA3_KVCACHE_GRID=full``, else a fixed sample of 256 of its cases (seed 0) in
-the default suite. On the CPU
-(Triton's interpreter) a hand-picked subset at small sizes covers every feature and both
+On the GPU the remaining grid (47,520 cases, 19,008 of them with an attention_chunk) runs at
+FA3's sizes (batch 5, 6 heads, d 128, seqlen pairs 1 x 128 .. 2048 x 3577 and 16 x 20000, page
+sizes None / 1 / 4 / 128): whole with ``TRIFLASH_FA3_KVCACHE_GRID=full``, else a fixed sample
+of 256 of its cases (seed 0) in the default suite. On the CPU (Triton's interpreter) a
+hand-picked subset at small sizes covers every feature and both
 of triflash's routes (the decode kernel for a few query rows per KV head, the prefill
 kernels beyond 64), with one (num_splits, metadata) choice per case.
 """
@@ -82,6 +83,7 @@ class Case(NamedTuple):
     rotary_interleaved: bool
     runs: tuple  # (num_splits, precomputed scheduler metadata) per call
     dtype: torch.dtype = torch.bfloat16
+    chunk: int = 0  # attention_chunk
 
     def id(self):
         parts = [f"q{self.seqlen_q}", f"k{self.seqlen_k}", f"d{self.d}", self.mha, self.mask,
@@ -94,6 +96,8 @@ class Case(NamedTuple):
         parts.append("runs" + "_".join(f"{s}{'m' if m else ''}" for s, m in self.runs))
         if self.dtype != torch.bfloat16:
             parts.append(str(self.dtype).replace("torch.", ""))
+        if self.chunk:
+            parts.append(f"chunk{self.chunk}")
         return "-".join(parts)
 
 
@@ -118,8 +122,12 @@ def _fa3_grid():
             continue
         if (rot == 0.0 and inter) or (not new_kv and not new_eq):
             continue  # the same computation as another case
-        cases.append(Case(sq, sk, 128, mha, mask, new_kv, new_eq, page, batch_idx, leftpad, varlen_q, rot, inter,
-                          FA3_RUNS))
+        case = Case(sq, sk, 128, mha, mask, new_kv, new_eq, page, batch_idx, leftpad, varlen_q, rot, inter,
+                    FA3_RUNS)
+        cases.append(case)
+        if mask != "none":  # FA3's attention_chunk draw, randint(1, 2 * seqlen_k), fixed per case
+            chunk = random.Random(zlib.crc32(case.id().encode())).randrange(1, 2 * sk)
+            cases.append(case._replace(chunk=chunk))
     return cases
 
 
@@ -150,6 +158,10 @@ def _cpu_grid():
         C(40, 80, 64, "gqa", "local", True, False, 4, False, True, False, 1.0, True, ((0, False),)),
         C(48, 48, 64, "mqa", "causal", False, True, None, True, True, True, 0.0, False, ((0, False),)),
         C(24, 64, 64, "mqa", "none", True, True, 1, False, False, True, 0.5, False, ((0, False),)),
+        # attention_chunk (FA3 draws it for causal / local): the decode kernel, then the prefill
+        C(3, 128, 64, "gqa", "causal", True, True, 4, True, True, False, 0.5, False, ((3, False),), chunk=20),
+        C(4, 96, 64, "mha", "local", False, True, None, False, False, True, 0.0, False, ((0, False),), chunk=37),
+        C(40, 96, 64, "gqa", "causal", True, False, None, False, True, False, 0.0, False, ((0, False),), chunk=16),
         # fp16 (FA3's kvcache grid is bf16 only; one case keeps the other 16-bit type honest)
         C(2, 64, 128, "gqa", "causal", True, True, 4, True, True, True, 0.5, True, ((3, False),), torch.float16),
     ]
@@ -290,7 +302,7 @@ def test_flash_attn_kvcache(case):
 
     # the fp32 reference and the same computation in the input dtype, sequence by sequence
     # over keys leftpad .. cache_seqlens + new - 1, flattened in the kernel's output order
-    kw = dict(causal=causal, window_size=window_ref)
+    kw = dict(causal=causal, window_size=window_ref, attention_chunk=c.chunk)
     refs, lse_refs, lowps = [], [], []
     for b in range(batch):
         start, end, n = (int(leftpad[b]) if leftpad is not None else 0), seqlens[b] + new_lens[b], q_lens[b]
@@ -323,7 +335,7 @@ def test_flash_attn_kvcache(case):
                 batch, max_seqlen_q if c.varlen_q else sq, sk if page_table is None else table_rows,
                 nheads, nheads_k, d, cache_seqlens, q.dtype, headdim_v=dv, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k_new=cu_seqlens_k_new, cache_leftpad=leftpad, max_seqlen_k_new=seqlen_new,
-                page_size=c.page_size, causal=causal, window_size=window, attention_chunk=0,
+                page_size=c.page_size, causal=causal, window_size=window, attention_chunk=c.chunk,
                 num_splits=num_splits)
         for _ in range(2 if precompute else 1):  # FA3 reuses the metadata
             out, lse, *rest = triflash.flash_attn_with_kvcache(
@@ -332,7 +344,7 @@ def test_flash_attn_kvcache(case):
                 page_table=page_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
                 max_seqlen_q=max_seqlen_q, rotary_seqlens=cache_seqlens, causal=causal, window_size=window,
                 rotary_interleaved=c.rotary_interleaved, scheduler_metadata=metadata, num_splits=num_splits,
-                return_softmax_lse=True)
+                attention_chunk=c.chunk, return_softmax_lse=True)
             # the caches: the new (rotated) tokens in place, every other row untouched;
             # the old rows put back, so that the next call starts from the same caches
             if where is not None:

@@ -77,12 +77,18 @@ def test_bad_scalars():
         triflash.flash_attn_func(q, k, v, causal=1.5)
 
 
-def test_unsupported_fa3_arguments():
+def test_bad_fa3_extras():
     q, k, v = qkv()
-    with expect(NotImplementedError, "attention_chunk"):
-        triflash.flash_attn_func(q, k, v, attention_chunk=128)
-    with expect(NotImplementedError, "qv"):
-        triflash.flash_attn_func(q, k, v, qv=q)
+    with expect(ValueError, "attention_chunk=-4", ">= 0"):
+        triflash.flash_attn_func(q, k, v, attention_chunk=-4)
+    with expect(ValueError, "attention_chunk=1.5"):
+        triflash.flash_attn_func(q, k, v, attention_chunk=1.5)
+    with expect(ValueError, "qv.shape", "v's head dim"):
+        triflash.flash_attn_func(q, k, v, qv=q[:, :-1])
+    with expect(TypeError, "qv.dtype"):
+        triflash.flash_attn_func(q, k, v, qv=q.float())
+    with expect(TypeError, "qv=list"):
+        triflash.flash_attn_func(q, k, v, qv=[1])
 
 
 def test_cpu_tensors_without_interpreter_explained(monkeypatch):
@@ -209,8 +215,8 @@ def test_a_validated_signature_still_refuses_what_validation_refuses():
         triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1), softmax_scale=True)
     with expect(ValueError, "softcap=False"):  # False == 0.0, the cached softcap
         triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1), softcap=False)
-    with expect(NotImplementedError, "attention_chunk"):
-        triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1), attention_chunk=4)
+    with expect(ValueError, "attention_chunk=True"):  # (a bool in an int slot)
+        triflash.flash_attn_func(q, k, v, causal=True, window_size=(1, -1), attention_chunk=True)
     with expect(ValueError, "seqlen_k"):
         triflash.flash_attn_func(q, k, v[:, :6], causal=True, window_size=(1, -1))
     with expect(TypeError, "dtypes"):

@@ -23,7 +23,11 @@ FORMS = {
     "d128-window": (8, 8192, 32, 8, 128, 64, 2, True, 256),
     "d256-dense": (32, 8192, 16, 2, 256, None, 1, True, -1),
     "d256-split": (1, 65536, 16, 1, 256, 256, 1, True, -1),
+    "d128-chunk": (64, 8192, 32, 8, 128, None, 1, True, -1),
+    "mla-paged64": (64, 8192, 16, 1, 64, 64, 1, True, -1),
 }
+# FA3's extras of a form: attention_chunk, headdim_v (MLA: 64 / 512)
+EXTRAS = {"d128-chunk": dict(chunk=2048), "mla-paged64": dict(headdim_v=512)}
 
 
 def launches(form):
@@ -32,18 +36,22 @@ def launches(form):
     from tools.sm90_report import _recording
     from triflash.kernels import decode, problem
     b, n, hq, hk, d, page, sq, causal, window = FORMS[form]
+    dv, chunk = EXTRAS.get(form, {}).get("headdim_v", d), EXTRAS.get(form, {}).get("chunk", 0)
     meta = dict(device="meta", dtype=torch.bfloat16)
     i32 = dict(device="meta", dtype=torch.int32)
     q = torch.empty(b, sq, hq, d, **meta)
     if page:
-        kv = torch.empty(b * n // page, page, 2, hk, d, **meta)
-        k, v = kv[:, :, 0], kv[:, :, 1]
+        if dv == d:  # K and V as views of one tensor, as serving engines lay them out
+            kv = torch.empty(b * n // page, page, 2, hk, d, **meta)
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        else:
+            k, v = torch.empty(b * n // page, page, hk, d, **meta), torch.empty(b * n // page, page, hk, dv, **meta)
         cache = problem.CacheAddressing(page_table=torch.empty(b, n // page, **i32))
     else:
-        k, v = torch.empty(b, n, hk, d, **meta), torch.empty(b, n, hk, d, **meta)
+        k, v = torch.empty(b, n, hk, d, **meta), torch.empty(b, n, hk, dv, **meta)
         cache = None
     p = problem.AttnParams(softmax_scale=d ** -0.5, window_left=window, window_right=0 if causal else -1,
-                            softcap=0.0, max_seqlen_q=sq, max_seqlen_k=n)
+                            softcap=0.0, max_seqlen_q=sq, max_seqlen_k=n, chunk=chunk)
     orig = decode._num_sms
     decode._num_sms = lambda device: 132
     try:

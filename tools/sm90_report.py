@@ -384,31 +384,37 @@ def _jobs_of_call(direction, config, d, dv, dtype, feature_name, f, fingerprints
 
 
 def all_dispatch_configs(headdims=HEADDIMS, dtypes=DTYPES, features=tuple(FEATURES)) -> List[Job]:
-    """Every launch the sm90 dispatch makes, for each head dim (headdim_v = headdim), dtype
-    and feature set, with ``deterministic`` False (the default) and True: forward; backward
+    """Every launch the sm90 dispatch makes, for each head dim (headdim_v = headdim, and
+    FA3's MLA shape 64 / 512, forward only), dtype and feature set, with ``deterministic``
+    False (the default) and True: forward; backward
     preprocess, dK/dV (with atomic dQ when the tile allows it and deterministic=False; two
     passes when the tile says split_dkdv) and the dQ kernel. Launches that are the same for
     both deterministic settings are listed once. Needs no compiler; works under
     TRITON_INTERPRET too."""
     jobs, ids = [], {}
+    calls_of = {}  # (d, dv, dtype, feature name) -> [(direction, features)]
     for d in headdims:
         for dtype in dtypes:
             for name in features:
                 f = FEATURES[name]
                 calls = [("fwd", f), ("bwd", f), ("bwd", dataclasses.replace(f, deterministic=True))]
-                if f.kvcache:  # forward only
-                    calls = calls[:1]
-                for direction, feats in calls:
-                    prints = {}
-                    for job in _jobs_of_call(direction, None, d, d, dtype, name, feats, prints):
-                        if job.id in ids:  # e.g. preprocess, or dQ at a tile without atomics
-                            if ids[job.id] != prints[job.id]:
-                                raise RuntimeError(
-                                    f"two different launches share the id {job.id}: give the "
-                                    f"mode constexpr that tells them apart a label in _variant()")
-                            continue
-                        ids[job.id] = prints[job.id]
-                        jobs.append(job)
+                calls_of[d, d, dtype, name] = calls[:1] if f.kvcache else calls  # (kvcache: forward only)
+    if 64 in headdims:  # FA3's MLA shape, headdim_v 512: forward only
+        for dtype in dtypes:
+            for name in [n for n in features if n in ("plain", "causal")]:
+                calls_of[64, 512, dtype, name] = [("fwd", FEATURES[name])]
+    for (d, dv, dtype, name), calls in calls_of.items():
+        for direction, feats in calls:
+            prints = {}
+            for job in _jobs_of_call(direction, None, d, dv, dtype, name, feats, prints):
+                if job.id in ids:  # e.g. preprocess, or dQ at a tile without atomics
+                    if ids[job.id] != prints[job.id]:
+                        raise RuntimeError(
+                            f"two different launches share the id {job.id}: give the "
+                            f"mode constexpr that tells them apart a label in _variant()")
+                    continue
+                ids[job.id] = prints[job.id]
+                jobs.append(job)
     return jobs
 
 

@@ -24,6 +24,19 @@ def _register_sdpa_backend():
 
 _register_sdpa_backend()
 
+
+def _register_fa3_ops():
+    """FlashAttention-3's ``torch.ops.flash_attn_3`` operators, served by triflash where FA3
+    is not installed (``triflash.integrations.fa3_ops``); never makes ``import triflash`` fail."""
+    try:
+        from .integrations import fa3_ops
+        fa3_ops.register()
+    except Exception:  # pragma: no cover
+        pass
+
+
+_register_fa3_ops()
+
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
            "flash_attn_with_kvcache", "flash_attn_combine", "get_scheduler_metadata", "force_backend", "set_check_inputs",

@@ -20,10 +20,12 @@
                  tiles cut into equal shares of key blocks, one per SM, the pieces
                  merged after (hopper.fwd.split_keys, hopper/split_combine.py)
               otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
+                 (also FA3's forward-only extras: attention_chunk, qv, headdim_v > 256)
               KV cache (run_fwd_cache): a decoding step (query tokens x GQA group <= 64
                  rows, decodes()) -> kernels/decode.py on every target (packed GQA, split
-                 keys); longer queries with cache_batch_idx / cache_leftpad / page table,
-                 or varlen q -> portable forward; over a plain dense cache -> as above
+                 keys; attention_chunk too); longer queries with cache_batch_idx /
+                 cache_leftpad / page table, varlen q, or qv -> portable forward; over a
+                 plain dense cache -> as above
     backward: sm90 and hopper_bwd_supports(...) -> Gluon dK/dV kernel (hopper/bwd.py, or
                  hopper/bwd256.py at head dims 192 / 256), tile configs.SM90_HOPPER_BWD
                  (dense or varlen batches, headdim == headdim_v in hopper.bwd.HEAD_DIMS
@@ -160,13 +162,16 @@ def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
     return why_not
 
 
-def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, out=None):
+def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, out=None, qv=None):
     """(out, lse); a given ``out`` (contiguous last dim, any other strides) is written instead
-    of a new tensor (the SDPA backend's (batch, heads, seqlen, dim) outputs)."""
+    of a new tensor (the SDPA backend's (batch, heads, seqlen, dim) outputs). ``qv`` and
+    ``params.chunk``: FA3's forward-only extras, which the portable forward serves."""
     target = target_of(q.device)
     chosen = backend()
     if _try_hopper(chosen, target):
         why_not = hopper_fwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target)
+        if not why_not and (qv is not None or params.chunk > 0):
+            why_not = "qv" if qv is not None else "attention_chunk"
         if not why_not and out is not None and not tma_compatible(out):
             why_not = "out's strides or base pointer not 16-byte aligned (TMA)"
         if not why_not:
@@ -182,7 +187,7 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, o
         raise NotImplementedError(f"triflash: the Hopper backend needs an sm90 GPU, got target {target!r}")
     cfg = configs.fwd_config(target, q.shape[-1], v.shape[-1])
     return portable.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params,
-                        cfg, upcast=target == "interpret", out=out)
+                        cfg, upcast=target == "interpret", out=out, qv=qv)
 
 
 def decodes(max_seqlen_q, nheads, nheads_kv, batch) -> bool:
@@ -191,7 +196,7 @@ def decodes(max_seqlen_q, nheads, nheads_kv, batch) -> bool:
     return decode.serves(max_seqlen_q, nheads, nheads_kv) and batch * nheads_kv <= GRID_YZ_MAX
 
 
-def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, num_splits=0):
+def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, num_splits=0, qv=None):
     """The forward over a KV cache addressed through ``cache`` (``problem.CacheAddressing``:
     cache_batch_idx, cache_leftpad, a page table, or a dense cache) or under packed queries
     (cu_seqlens_q): a decoding step runs the decode kernel (packed GQA, split keys) on every
@@ -199,19 +204,22 @@ def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, n
     of contiguous rows of one batch)."""
     target = target_of(q.device)
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
-    if decodes(params.max_seqlen_q, q.shape[-2], k_cache.shape[-2], batch):
+    if qv is None and decodes(params.max_seqlen_q, q.shape[-2], k_cache.shape[-2], batch):
         return decode.fwd(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, target, num_splits)
     if backend() == "hopper":
         raise NotImplementedError("triflash: the Hopper forward does not serve a KV cache with "
-                                  "cache_batch_idx, cache_leftpad, a page table or varlen q")
+                                  "cache_batch_idx, cache_leftpad, a page table, varlen q or qv")
     cfg = configs.fwd_config(target, q.shape[-1], v_cache.shape[-1])
     return portable.fwd(q, k_cache, v_cache, cu_seqlens_q, None, None, seqused_k, params, cfg,
-                        upcast=target == "interpret", cache=cache)
+                        upcast=target == "interpret", cache=cache, qv=qv)
 
 
 def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             params, deterministic, dq=None, dk=None, dv=None):
     """(dq, dk, dv); given dq/dk/dv (any strides, e.g. views of one packed dqkv) are written."""
+    if v.shape[-1] > 256:
+        raise NotImplementedError(f"triflash: headdim_v={v.shape[-1]} has a forward only (the backward takes "
+                                  "headdim_v up to 256, as FlashAttention-3's)")
     target = target_of(q.device)
     chosen = backend()
     if _try_hopper(chosen, target):

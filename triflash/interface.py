@@ -38,11 +38,9 @@ from .merge import merge_partials
 from .rotary import apply_rotary, token_positions
 
 
-def _fa3_extras(qv, attention_chunk):
-    """FA3's ``qv`` and ``attention_chunk`` raise NotImplementedError. (Its fp8 descales need
-    no check: FA3 reads them only for fp8 inputs, which triflash refuses, and ignores them
-    otherwise, as here.)"""
-    V.reject_unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
+def _scale_dim(q, qv):
+    """The head dim of the default softmax scale: q's, plus qv's when given (as FA3)."""
+    return q.shape[-1] + (qv.shape[-1] if qv is not None else 0)
 
 
 # Dense calls whose arguments passed validation, by signature -> (ints, floats) for the ops.
@@ -101,27 +99,35 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     Differentiable in q, k, v. Scalars in any of FA3's forms (module docstring).
     ``num_splits``, ``pack_gqa`` and ``sm_margin`` are FA3 performance hints, accepted and
     ignored, as are the fp8 descales (FA3 reads them only for fp8 inputs, which triflash
-    refuses); ``qv`` and ``attention_chunk`` raise NotImplementedError.
+    refuses). FA3's forward-only extras: ``attention_chunk`` > 0 (each query sees only the
+    keys of its position's chunk of that many keys, intersected with causal / window), ``qv``
+    (batch, seqlen_q, nheads, headdim_v): scores q k^T + qv v^T (the default scale then
+    (headdim + headdim_v) ** -0.5); headdim_v up to 512. Their backward raises
+    NotImplementedError, as FA3's does.
     """
     key = None
+    chunk = 0
     if (qv is None and q_descale is None and k_descale is None and v_descale is None
             and attention_chunk.__class__ is int and attention_chunk == 0 and not torch.compiler.is_compiling()):
         key = _dense_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
     scalars = _VALIDATED.get(key) if key is not None else None
     if scalars is None:
-        _fa3_extras(qv, attention_chunk)
         causal = V.as_flag("causal", causal)
         deterministic = V.as_flag("deterministic", deterministic)
         V.check_qkv(q, k, v, varlen=False)
         q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
-        softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+        qv, chunk = V.check_extras(qv, attention_chunk, q, v)
+        softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
         left, right = V.normalize_window(window_size, causal)
         scalars = ops.pack_scalars(q.shape[1], k.shape[1], softmax_scale, left, right, softcap, deterministic)
         if key is not None:
             if len(_VALIDATED) >= 256:
                 _VALIDATED.clear()
             _VALIDATED[key] = scalars
-    out, lse = ops.attention(q, k, v, None, None, None, None, *scalars)
+    if qv is not None or chunk > 0:
+        out, lse = ops.attention_extras(q, k, v, qv, None, None, None, None, *scalars, chunk)
+    else:
+        out, lse = ops.attention(q, k, v, None, None, None, None, *scalars)
     return (out, lse) if return_attn_probs else out
 
 
@@ -147,15 +153,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     no split; 0: the heuristic). Returns out
     (total_q, nheads, headdim_v) (a dense q: (batch, seqlen_q, nheads, headdim_v)), and lse
     (nheads, total_q) (a dense q: (batch, nheads, seqlen_q)) if return_attn_probs.
+    ``qv`` (q's layout, headdim_v wide) and ``attention_chunk``: FA3's forward-only extras,
+    per sequence, as in ``flash_attn_func``.
     """
-    _fa3_extras(qv, attention_chunk)
     causal = V.as_flag("causal", causal)
     deterministic = V.as_flag("deterministic", deterministic)
+    V._check_tensor("q", q, 4 if cu_seqlens_q is None else 3)
+    V._check_tensor("v", v, 4 if cu_seqlens_k is None else 3)
+    qv, chunk = V.check_extras(qv, attention_chunk, q, v)
     dense_q = dense_kv = None
     if cu_seqlens_q is None:  # FA3: q is then a dense batch (batch, seqlen_q, ...)
-        V._check_tensor("q", q, 4)
         dense_q = q.shape[:2]
         q, cu_seqlens_q, max_seqlen_q = _as_packed(q)
+        if qv is not None:
+            qv = qv.reshape(qv.shape[0] * qv.shape[1], *qv.shape[2:])
     else:
         max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     if cu_seqlens_k is None:  # likewise k and v
@@ -177,17 +188,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     V.check_qkv(q, k, v, varlen=True)
     V.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
-    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
     left, right = V.normalize_window(window_size, causal)
     scalars = ops.pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap, deterministic)
-    if (dense_kv is not None and dense_q is None and seqused_q is None and not _needs_grad(q, k, v)
+    if (dense_kv is not None and dense_q is None and seqused_q is None and qv is None and not _needs_grad(q, k, v)
             and dispatch.decodes(max_seqlen_q, q.shape[-2], k.shape[-2], cu_seqlens_q.shape[0] - 1)):
         # a decoding step over a dense batch of caches (a serving engine's call: packed
         # queries, seqused_k): the decode kernel, as flash_attn_with_kvcache runs it
         num_splits = V.as_int("num_splits", num_splits, "expected an int, 0 for a heuristic")
         k_cache, v_cache = (V.last_dim_contiguous(x) for x in dense_kv)
         out, lse = ops.attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, None, None, None,
-                                         scalars[0] + [max(num_splits, 0)], scalars[1])
+                                         scalars[0] + [max(num_splits, 0)], scalars[1], chunk=chunk)
+    elif qv is not None or chunk > 0:
+        out, lse = ops.attention_extras(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars,
+                                        chunk)
     else:
         out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars)
     if dense_q is not None:
@@ -219,7 +233,6 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
 
     The kernels read q, k and v as strided views of qkv, and the backward writes dq, dk
     and dv into views of one dqkv (no concatenation)."""
-    _fa3_extras(None, attention_chunk)
     causal = V.as_flag("causal", causal)
     deterministic = V.as_flag("deterministic", deterministic)
     if not isinstance(qkv, torch.Tensor):
@@ -240,8 +253,13 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     qkv = V.last_dim_contiguous(qkv)
     q, k, v = ops.split_qkv(qkv, num_heads_q)
     V.check_qkv(q, k, v, varlen=False)
+    _, chunk = V.check_extras(None, attention_chunk, q, v)
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
+    if chunk > 0:  # (FA3's forward-only extra: the views, as flash_attn_func takes them)
+        ints, floats = ops.pack_scalars(q.shape[1], k.shape[1], softmax_scale, left, right, softcap, deterministic)
+        out, lse = ops.attention_extras(q, k, v, None, None, None, None, None, ints, floats, chunk)
+        return (out, lse) if return_attn_probs else out
     out, lse = ops.attention_qkvpacked(qkv, [num_heads_q, left, right, int(deterministic)],
                                        [float(softmax_scale), float(softcap)])
     return (out, lse) if return_attn_probs else out
@@ -288,15 +306,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     the portable kernels. ``cu_seqlens_k_new`` (batch + 1,) int32: new k, v packed
     (total_new, nheads_kv, headdim[_v]), sequence b's new tokens rows cu_seqlens_k_new[b] ..
     cu_seqlens_k_new[b + 1] - 1 (FA3's varlen append; without new k, v it is ignored, as in
-    FA3). FA3's ``qv`` and ``attention_chunk`` raise NotImplementedError, its fp8 descales
-    are ignored (as FA3 does for fp16 / bf16); ``scheduler_metadata`` (the plan, which
+    FA3). ``attention_chunk`` and ``qv`` (q's layout, headdim_v wide; MLA's absorbed decode
+    with headdim 64 / headdim_v 512) as in ``flash_attn_func``. FA3's fp8 descales are
+    ignored (as FA3 does for fp16 / bf16); ``scheduler_metadata`` (the plan, which
     the call recomputes from the shapes), ``pack_gqa`` and ``sm_margin`` are accepted and
     change nothing. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
     page_table, cu_seqlens_q) are checked on the host on the CPU or with
     ``triflash.set_check_inputs(True)``; otherwise the kernels clamp them (no fault) and new
     tokens past a sequence's cache are not written.
     """
-    _fa3_extras(qv, attention_chunk)
     causal = V.as_flag("causal", causal)
     rotary_interleaved = V.as_flag("rotary_interleaved", rotary_interleaved)
     varlen_q = cu_seqlens_q is not None
@@ -309,7 +327,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                              cu_seqlens_k_new)
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     rotary = V.check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch)
-    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
+    qv, chunk = V.check_extras(qv, attention_chunk, q, v_cache)
+    softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
     left, right = V.normalize_window(window_size, causal)
     with torch.no_grad():
         if page_table is not None and cache_batch_idx is not None:
@@ -337,7 +356,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                 or dispatch.decodes(max_q, q.shape[-2], k_cache.shape[-2], batch)):
             num_splits = V.as_int("num_splits", num_splits, "expected an int, 0 for a heuristic")
             out, lse = ops.attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, used, cache_batch_idx,
-                                             cache_leftpad, page_table, ints + [max(num_splits, 0)], floats)
+                                             cache_leftpad, page_table, ints + [max(num_splits, 0)], floats,
+                                             qv=qv, chunk=chunk)
+        elif qv is not None or chunk > 0:  # prefill over a plain dense cache with FA3's extras
+            out, lse = ops.attention_extras(q, k_cache, v_cache, qv, None, None, None, used, ints, floats, chunk)
         else:  # prefill over a plain dense cache: the dense kernels (the Hopper tier on sm90)
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
     if not return_softmax_lse:

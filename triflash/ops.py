@@ -37,11 +37,11 @@ def pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_
              int(deterministic)], [float(softmax_scale), float(softcap)])
 
 
-def _params(ints, floats) -> AttnParams:
+def _params(ints, floats, chunk=0) -> AttnParams:
     max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
     return AttnParams(softmax_scale=floats[0], window_left=window_left,
                       window_right=window_right, softcap=floats[1],
-                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, chunk=chunk)
 
 
 @torch.library.custom_op("triflash::fwd", mutates_args=())
@@ -260,6 +260,29 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, f
     return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
 
 
+class _AttentionExtras(torch.autograd.Function):
+    """FlashAttention-3's forward-only extras (``attention_chunk`` > 0, ``qv``): the forward,
+    and a backward that raises, as FA3's asserts."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats, chunk):
+        out, lse = dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                    _params(ints, floats, chunk), qv=qv)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("triflash: attention with attention_chunk > 0 or qv is forward-only "
+                                  "(FlashAttention-3's backward does not take them either)")
+
+
+def attention_extras(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats, chunk):
+    """(out, lse) of a forward with FA3's forward-only extras (``_AttentionExtras``)."""
+    return _AttentionExtras.apply(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints,
+                                  floats, chunk)
+
+
 def attention_qkvpacked(qkv, ints, floats):
     if torch.compiler.is_compiling():
         return fwd_qkvpacked(qkv, ints, floats)
@@ -297,17 +320,22 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Optio
 
 
 def _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start, page_table,
-                      ints, floats):
+                      ints, floats, qv=None, chunk=0):
+    """(``qv`` and ``chunk``, FA3's forward-only extras, are passed only by direct calls.)"""
     cache = CacheAddressing(batch_idx=batch_idx, start=k_start, page_table=page_table)
     num_splits = ints[5] if len(ints) > 5 else 0  # (FA3's num_splits: 0 picks)
     return dispatch.run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache,
-                                  _params(ints, floats), num_splits)
+                                  _params(ints, floats, chunk), num_splits, qv=qv)
 
 
 def attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start, page_table,
-                      ints, floats):
+                      ints, floats, qv=None, chunk=0):
     """``fwd_kvcache``: the custom op under torch.compile, else its implementation called
-    directly (a decoding step is short enough for the op's per-call Python work to show)."""
+    directly (a decoding step is short enough for the op's per-call Python work to show).
+    FA3's extras ``qv`` / ``chunk`` run the implementation directly."""
+    if qv is not None or chunk > 0:
+        return _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
+                                 page_table, ints, floats, qv, chunk)
     if torch.compiler.is_compiling():
         return fwd_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
                            page_table, ints, floats)

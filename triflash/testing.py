@@ -8,8 +8,9 @@ score matrix one head chunk at a time, so it is for checking, not for speed.
 import torch
 
 
-def visible_mask(seqlen_q, seqlen_k, window_left, window_right, device):
-    """(seqlen_q, seqlen_k) bool: query i sees key j (bottom-right aligned)."""
+def visible_mask(seqlen_q, seqlen_k, window_left, window_right, device, attention_chunk=0):
+    """(seqlen_q, seqlen_k) bool: query i sees key j (bottom-right aligned); with
+    ``attention_chunk`` C, only the keys of the chunk of C keys holding i's position."""
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     shift = seqlen_k - seqlen_q
@@ -18,24 +19,29 @@ def visible_mask(seqlen_q, seqlen_k, window_left, window_right, device):
         mask &= j <= i + shift + window_right
     if window_left >= 0:
         mask &= j >= i + shift - window_left
+    if attention_chunk > 0:
+        mask &= torch.div(i + shift, attention_chunk, rounding_mode="floor") == j // attention_chunk
     return mask
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  upcast=True, head_chunk=None):
+                  upcast=True, head_chunk=None, attention_chunk=0, qv=None):
     """Dense reference. q (b, sq, h, d); k, v (b, sk, hk, d[v]). Returns (out, lse) with
-    out in q's dtype and lse (b, h, sq) fp32. Differentiable (autograd) in both modes."""
+    out in q's dtype and lse (b, h, sq) fp32. Differentiable (autograd) in both modes.
+    FlashAttention-3's extras: ``attention_chunk`` (``visible_mask``) and ``qv`` (b, sq, h,
+    dv): scores q k^T + qv v^T, default scale (d + dv) ** -0.5."""
     dtype_og = q.dtype
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
+        qv = qv.float() if qv is not None else None
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    scale = softmax_scale if softmax_scale is not None else (d + (qv.shape[-1] if qv is not None else 0)) ** -0.5
     left, right = window_size
     if causal:
         right = 0
     group = h // hk
-    mask = visible_mask(sq, sk, left, right, q.device)
+    mask = visible_mask(sq, sk, left, right, q.device, attention_chunk)
     head_chunk = head_chunk or h
     outs, lses = [], []
     for h0 in range(0, h, head_chunk):
@@ -43,6 +49,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         kv_idx = torch.arange(hs.start, hs.stop, device=q.device) // group
         kc, vc = k[:, :, kv_idx], v[:, :, kv_idx]
         s = torch.einsum("bqhd,bkhd->bhqk", q[:, :, hs], kc)
+        if qv is not None:
+            s = s + torch.einsum("bqhd,bkhd->bhqk", qv[:, :, hs], vc)
         s = (s.float() * scale) if upcast else s * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)

@@ -12,6 +12,9 @@ from . import dispatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEADDIM = 256
+# v's head dim may reach 512 (FlashAttention-3's MLA shape, headdim 64 / headdim_v 512) in the
+# forward; the backward stops at MAX_HEADDIM (dispatch.run_bwd)
+MAX_HEADDIM_V = 512
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _check_inputs = os.environ.get("TRIFLASH_CHECK_INPUTS", "0") == "1"
 
@@ -35,9 +38,9 @@ def _check_tensor(name, x, ndim):
         _fail(f"{name}.dtype", x.dtype, "expected torch.float16 or torch.bfloat16", TypeError)
 
 
-def _check_headdim(name, d):
-    if d % 8 != 0 or d < 8 or d > MAX_HEADDIM:
-        _fail(f"{name} head dim", d, f"expected a multiple of 8 between 8 and {MAX_HEADDIM}")
+def _check_headdim(name, d, most=MAX_HEADDIM):
+    if d % 8 != 0 or d < 8 or d > most:
+        _fail(f"{name} head dim", d, f"expected a multiple of 8 between 8 and {most}")
 
 
 def check_device(*tensors):
@@ -152,13 +155,24 @@ def check_scalars(softmax_scale, softcap, headdim):
     return softmax_scale, max(softcap, 0.0)
 
 
-def reject_unsupported(**features):
-    """FA3 arguments triflash accepts for compatibility but does not implement yet."""
-    for name, (value, default) in features.items():
-        if value is not default and value != default:
-            _fail(name, value if not isinstance(value, torch.Tensor) else "a tensor",
-                  f"triflash does not implement {name} yet; pass {default!r}",
-                  NotImplementedError)
+def check_extras(qv, attention_chunk, q, v):
+    """FA3's forward-only extras: ``attention_chunk`` as an int (0 off, else keys per chunk,
+    capped like a window) and ``qv`` (q's shape with v's head dim, q's dtype and device, its
+    last dim made contiguous). Returns (qv, chunk)."""
+    chunk = as_int("attention_chunk", attention_chunk, "expected an int >= 0 (0: no chunking)")
+    if chunk < 0:
+        _fail("attention_chunk", chunk, "expected an int >= 0 (0: no chunking)")
+    if qv is not None:
+        if not isinstance(qv, torch.Tensor):
+            _fail("qv", type(qv).__name__, "expected a torch.Tensor or None", TypeError)
+        expected = tuple(q.shape[:-1]) + (v.shape[-1],)
+        if tuple(qv.shape) != expected:
+            _fail("qv.shape", tuple(qv.shape), f"expected q's shape with v's head dim, {expected}")
+        if qv.dtype != q.dtype:
+            _fail("qv.dtype", qv.dtype, f"expected q's dtype {q.dtype}", TypeError)
+        check_device(q, qv)
+        qv = last_dim_contiguous(qv)
+    return qv, min(chunk, _WINDOW_CAP)
 
 
 def check_qkv(q, k, v, varlen: bool, names=("q", "k", "v")):
@@ -184,7 +198,7 @@ def _check_dtypes_heads(q, k, v, names):
         _fail("dtypes", (q.dtype, k.dtype, v.dtype), f"{qn}, {kn} and {vn} must share one dtype", TypeError)
     check_device(q, k, v)
     _check_headdim(qn, q.shape[-1])
-    _check_headdim(vn, v.shape[-1])
+    _check_headdim(vn, v.shape[-1], MAX_HEADDIM_V)
     if k.shape[-1] != q.shape[-1]:
         _fail(f"{kn} head dim", k.shape[-1], f"must equal {qn}'s head dim {q.shape[-1]}")
     nheads, nheads_kv = q.shape[-2], k.shape[-2]

@@ -6,7 +6,8 @@
 * ``n_block_range`` / ``m_block_range``: which key blocks a query block visits (forward, dQ)
   and which query blocks a key block is visited by (dK/dV), split into the blocks that need
   a mask and the blocks that do not.
-* ``visible``: the element-wise mask (sequence tail, causal, sliding window).
+* ``visible``: the element-wise mask (sequence tail, causal, sliding window); ``in_chunk`` and
+  ``chunk_block_range`` add FlashAttention-3's ``attention_chunk`` (the forwards only).
 * ``scores``: scale + optional softcap, in the log2 domain the kernels use for exp2.
 * ``launch_order`` (with the host's ``launch_sections``): which (batch, head) and which block
   a program computes: query-block launches (forward, dQ) longest first, a few heads at a
@@ -21,7 +22,9 @@
 
 Masking convention (FlashAttention's, bottom-right aligned): with ``shift = len_k - len_q``,
 query row i sees key column j iff ``i + shift - left <= j <= i + shift + right``, where a
-negative ``left``/``right`` means unbounded and causal is ``right = 0``.
+negative ``left``/``right`` means unbounded and causal is ``right = 0``. With an
+``attention_chunk`` of C keys (chunked local attention) the row also sees only the columns of
+its position's chunk: with p = i + shift, ``floor(p / C) * C <= j < floor(p / C) * C + C``.
 """
 import functools
 import heapq
@@ -383,6 +386,37 @@ def visible(rows, cols, len_q, len_k, window_left, window_right,
     if HAS_LEFT:
         mask = mask & (cols >= rows + shift - window_left)
     return mask
+
+
+@triton.jit
+def chunk_start(pos, chunk):
+    """The first column of the chunk of bottom-right aligned position ``pos`` (floor, also
+    for the negative positions of rows that see no key)."""
+    return pos - (pos % chunk + chunk) % chunk
+
+
+@triton.jit
+def in_chunk(rows, cols, len_q, len_k, chunk):
+    """``attention_chunk``'s element mask: column j is in row i's chunk (module docstring)."""
+    first = chunk_start(rows + len_k - len_q, chunk)
+    return (cols >= first) & (cols < first + chunk)
+
+
+@triton.jit
+def chunk_block_range(pos_lo, pos_hi, chunk, n_min, full_min, full_max, n_max, BLOCK_N: tl.constexpr):
+    """``n_block_range``'s four cut to the chunks of bottom-right aligned positions
+    ``pos_lo`` .. ``pos_hi`` (a tile's first and last row): visited blocks from the first
+    row's chunk to the last row's, unmasked ones only inside a chunk every row shares."""
+    lo_start = chunk_start(pos_lo, chunk)
+    hi_start = chunk_start(pos_hi, chunk)
+    n_min = tl.maximum(n_min, tl.maximum(lo_start, 0) // BLOCK_N)
+    n_max = tl.minimum(n_max, tl.cdiv(tl.maximum(hi_start + chunk, 0), BLOCK_N))
+    full_min = tl.maximum(full_min, tl.cdiv(tl.maximum(hi_start, 0), BLOCK_N))
+    full_max = tl.minimum(full_max, tl.maximum(lo_start + chunk, 0) // BLOCK_N)
+    n_min = tl.minimum(n_min, n_max)
+    full_min = tl.minimum(tl.maximum(full_min, n_min), n_max)
+    full_max = tl.minimum(tl.maximum(full_max, full_min), n_max)
+    return n_min, full_min, full_max, n_max
 
 
 @triton.jit

@@ -257,6 +257,7 @@ SM90_FWD = {
     64: FwdConfig(128, 128, 4, 3),
     128: FwdConfig(128, 128, 8, 3),
     256: FwdConfig(128, 64, 8, 2),
+    512: FwdConfig(64, 32, 8, 2),  # headdim_v 512 (FA3's MLA shape, forward only; not timed)
 }
 SM90_BWD = {
     64: BwdConfig(64, 128, 8, 3, 64, 128, 4, 3, atomic_dq=False),
@@ -342,6 +343,7 @@ DEFAULT_FWD = {
     64: FwdConfig(128, 64, 4, 2),
     128: FwdConfig(128, 64, 8, 2),
     256: FwdConfig(64, 64, 8, 1),
+    512: FwdConfig(64, 32, 8, 1),
 }
 DEFAULT_BWD = {
     64: BwdConfig(32, 64, 4, 2, 64, 32, 4, 2),

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (cache_batch, ceil_div, page_block_of, page_entries, scores, seqlen_info, softmax_step,
-                     to_output, visible)
+from .common import (cache_batch, ceil_div, chunk_start, in_chunk, page_block_of, page_entries, scores,
+                     seqlen_info, softmax_step, to_output, visible)
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
@@ -73,6 +73,7 @@ class DecodeMeta(NamedTuple):
     CHAINED: bool = False     # SPLIT, the combine launched as its dependent (``chained``)
     KV_SAME: bool = False     # K and V with the same (block, row) strides: one offset serves both (``shared_offsets``)
     WIDE_ROWS: bool = False   # paged, row offsets inside a page computed in 64 bits (``wide_rows``)
+    HAS_CHUNK: bool = False   # FA3's attention_chunk: ``score`` carries the chunk as a fifth value
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -106,6 +107,8 @@ def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split:
     # size at run time: 4.36 / 4.25 / 4.30, ragged 3.34 / 2.65); pages of 256 (``page_block``,
     # whole 128-key blocks per page; probes/decode-pageblock-302815e.json at d150566): 128x4x2
     # 4.45, per key 4.06 (dense cache 4.48, SDPA-cuDNN 4.46).
+    if max(headdim, headdim_v) > 256:  # (FA3's MLA shape, 64 / 512: K and V stages within shared memory)
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=2)
     if max(headdim, headdim_v) > 128:
         return DecodeConfig(block_n=64, num_warps=8, num_stages=3)
     if page_size and page_size % 128:  # rows gathered through the page table
@@ -249,7 +252,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
         page_u = tl.full([], META.PAGE_SIZE, tl.uint32)
     else:
         page_u = page_size.to(tl.uint32)
-    qk_scale, softcap_log2, window_left, window_right = score
+    qk_scale, softcap_log2, window_left, window_right = score[0], score[1], score[2], score[3]
     HEADDIM: tl.constexpr = META.HEADDIM
     HEADDIM_V: tl.constexpr = META.HEADDIM_V
     BLOCK_N: tl.constexpr = META.BLOCK_N
@@ -311,8 +314,11 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
             v = v.to(tl.float32)
         s = scores(tl.dot(q, tl.trans(k)), qk_scale, softcap_log2, SOFTCAP)
         if MASK:
-            s = tl.where(visible(tok[:, None], offs_n[None, :], len_q, len_k,
-                                 window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            seen = visible(tok[:, None], offs_n[None, :], len_q, len_k, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT)
+            if META.HAS_CHUNK:
+                seen = seen & in_chunk(tok[:, None], offs_n[None, :], len_q, len_k, score[4])
+            s = tl.where(seen, s, float("-inf"))
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v)
     return acc, m_i, l_i
 
@@ -341,14 +347,15 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     """Program (split, m tile, batch * nheads_kv + head_kv). Strides: (batch, token, head) of
     q, k, v, o, and (batch, head, token) of lse; ``paging`` (page-table row stride, page size,
     cache blocks); ``sizes`` (nheads_kv, seqlen_q, seqlen_k, total_q, num_splits); ``score``
-    (qk_scale, softcap_log2, window_left, window_right); ``META`` a ``DecodeMeta``."""
+    (qk_scale, softcap_log2, window_left, window_right[, attention_chunk under HAS_CHUNK]);
+    ``META`` a ``DecodeMeta``."""
     stride_qb, stride_qm, stride_qh = stride_q
     stride_kb, stride_kn, stride_kh = stride_k
     stride_vb, stride_vn, stride_vh = stride_v
     stride_ob, stride_om, stride_oh = stride_o
     stride_lseb, stride_lseh, stride_lsem = stride_lse
     nheads_kv, seqlen_q, seqlen_k, total_q, num_splits = sizes
-    qk_scale, softcap_log2, window_left, window_right = score
+    window_left, window_right = score[2], score[3]
     GROUP: tl.constexpr = META.GROUP
     HEADDIM: tl.constexpr = META.HEADDIM
     HEADDIM_V: tl.constexpr = META.HEADDIM_V
@@ -410,6 +417,13 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     if HAS_LEFT:
         n_start = tl.maximum(tok_lo + shift - window_left, 0)
         full_start = tl.maximum(tok_hi + shift - window_left, 0)
+    if META.HAS_CHUNK:  # from the first token's chunk to the last one's; unmasked inside a shared one
+        first_lo = chunk_start(tok_lo + shift, score[4])
+        first_hi = chunk_start(tok_hi + shift, score[4])
+        n_start = tl.maximum(n_start, first_lo)
+        n_end = tl.maximum(tl.minimum(n_end, first_hi + score[4]), 0)
+        full_start = tl.maximum(full_start, first_hi)
+        full_end = tl.maximum(tl.minimum(full_end, first_lo + score[4]), 0)
     n_lo = n_start // BLOCK_N
     n_hi = tl.cdiv(n_end, BLOCK_N)
     per = tl.cdiv(tl.maximum(n_hi - n_lo, 0), num_splits)
@@ -548,7 +562,8 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
                       upcast, SPLIT=split, **cache_flags,
                       PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]),
                       PAGE_SIZE=static_page_size(page_size), BLOCK_B=longest_first(batch, seqused_k is not None),
-                      CHAINED=chain, KV_SAME=shared_offsets(k, v), WIDE_ROWS=wide_rows(page_size, k, v))
+                      CHAINED=chain, KV_SAME=shared_offsets(k, v), WIDE_ROWS=wide_rows(page_size, k, v),
+                      HAS_CHUNK=p.chunk > 0)
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
@@ -556,7 +571,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
         cu_seqlens_q if varlen else dummy, seqused_k if seqused_k is not None else dummy,
         kv_batch, k_start, page_table, tuple(paging),
         (nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits),
-        (qk_scale, softcap_log2, p.window_left, p.window_right),
+        (qk_scale, softcap_log2, p.window_left, p.window_right) + ((p.chunk,) if p.chunk > 0 else ()),
         META=meta, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
     if split:
         block_s = triton.next_power_of_2(pl.splits)

@@ -12,14 +12,20 @@ One program computes one query block (BLOCK_M rows) of one (batch, head):
 Cost per program: 2 * BLOCK_M * visited_keys * (D + DV) FLOPs; reads Q once and each
 visited K/V tile once. Key blocks are split into masked edges and an unmasked middle so the
 common case pays no masking arithmetic.
+
+FlashAttention-3's two forward-only extras travel in the launch's ``extras`` tuple, empty
+without them: ``attention_chunk`` (``HAS_CHUNK``: each row sees only its position's chunk of
+keys, ``common.in_chunk``) and ``qv`` (``HAS_QV``: scores q k^T + qv v^T, MLA's absorbed
+form; the qv tile (BLOCK_M x DV) stays in registers beside Q and meets each V tile already
+loaded for P V).
 """
 from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
-from .common import (cache_batch, launch_order, n_block_range, paged_rows, scores, seqlen_info,
-                     softmax_step, to_output, visible)
+from .common import (cache_batch, chunk_block_range, in_chunk, launch_order, n_block_range, paged_rows,
+                     scores, seqlen_info, softmax_step, to_output, visible)
 
 
 class FwdMeta(NamedTuple):
@@ -42,15 +48,18 @@ class FwdMeta(NamedTuple):
     HAS_K_START: bool = False
     PAGED: bool = False
     DENSE_K: bool = False
+    HAS_CHUNK: bool = False
+    HAS_QV: bool = False
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
-               n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k, scalars, pages,
+def _fwd_inner(acc, m_i, l_i, q, qv, k_base, v_base, stride_k, stride_v,
+               n_lo, n_hi, offs_m, offs_d, offs_dv, len_q, len_k, scalars, pages, extras,
                MASK: tl.constexpr, META: tl.constexpr):
     """Key blocks n_lo .. n_hi - 1 into (acc, m_i, l_i). ``stride_k`` / ``stride_v``,
-    ``scalars``: the kernel's; ``pages``: (page_row, start_k, page_size, num_kv_blocks), where
-    paged K/V rows live (read only under PAGED)."""
+    ``scalars``, ``extras``: the kernel's; ``pages``: (page_row, start_k, page_size,
+    num_kv_blocks), where paged K/V rows live (read only under PAGED); ``qv``: the qv tile
+    (read only under HAS_QV)."""
     stride_kb, stride_kn, _ = stride_k
     stride_vb, stride_vn, _ = stride_v
     qk_scale, softcap_log2, window_left, window_right, _ = scalars
@@ -86,10 +95,15 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))
+        if META.HAS_QV:
+            qk = tl.dot(qv, tl.trans(v), qk)
         if MASK:
             s = scores(qk, qk_scale, softcap_log2, SOFTCAP)
-            s = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k,
-                                 window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            seen = visible(offs_m[:, None], offs_n[None, :], len_q, len_k,
+                           window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            if META.HAS_CHUNK:
+                seen = seen & in_chunk(offs_m[:, None], offs_n[None, :], len_q, len_k, extras[0])
+            s = tl.where(seen, s, float("-inf"))
             acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v)
         else:
             # Every row sees every key here, so each row's max is finite. Without softcap the
@@ -120,13 +134,14 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
 def flash_fwd_kernel(
     Q, K, V, O, LSE, strides,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sizes, scalars,
-    KV_BATCH, K_START, PAGE_TABLE, paging,
+    KV_BATCH, K_START, PAGE_TABLE, paging, extras,
     META: tl.constexpr,
 ):
     # strides: the (batch, token, head) strides of Q, K, V, O and LSE (problem.bshd_strides,
     # lse_strides); sizes: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k);
     # scalars: (qk_scale, softcap_log2, window_left, window_right, section_heads);
-    # paging: (stride_ptb, page_size, num_kv_blocks); META: an FwdMeta.
+    # paging: (stride_ptb, page_size, num_kv_blocks); extras: () or, under HAS_CHUNK or
+    # HAS_QV, (attention_chunk, QV, (batch, token, head) strides of QV); META: an FwdMeta.
     stride_q, stride_k, stride_v, stride_o, stride_lse = strides
     stride_qb, stride_qm, stride_qh = stride_q
     stride_kb, stride_kn, stride_kh = stride_k
@@ -190,23 +205,36 @@ def flash_fwd_kernel(
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    qv = q  # (read only under HAS_QV)
+    if META.HAS_QV:
+        stride_qvb, stride_qvm, stride_qvh = extras[2]
+        qv_base = (extras[1] + batch.to(tl.int64) * stride_qvb + head.to(tl.int64) * stride_qvh
+                   + (start_q + m_block * BLOCK_M).to(tl.int64) * stride_qvm)
+        qv = tl.load(qv_base + rows[:, None] * stride_qvm + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V), other=0.0)
+        if UPCAST:
+            qv = qv.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     n_min, n_full_min, n_full_max, n_max = n_block_range(
         m_block, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if META.HAS_CHUNK:
+        pos = m_block * BLOCK_M + len_k - len_q
+        n_min, n_full_min, n_full_max, n_max = chunk_block_range(
+            pos, pos + BLOCK_M - 1, extras[0], n_min, n_full_min, n_full_max, n_max, BLOCK_N)
     # masked left edge (sliding window), unmasked middle, masked right edge (causal/tail)
     pages = (page_row, start_k, page_size, num_kv_blocks)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, qv, k_base, v_base, stride_k, stride_v,
                                n_min, n_full_min, offs_m, offs_d, offs_dv, len_q, len_k,
-                               scalars, pages, True, META)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
+                               scalars, pages, extras, True, META)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, qv, k_base, v_base, stride_k, stride_v,
                                n_full_min, n_full_max, offs_m, offs_d, offs_dv, len_q, len_k,
-                               scalars, pages, False, META)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_k, stride_v,
+                               scalars, pages, extras, False, META)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, qv, k_base, v_base, stride_k, stride_v,
                                n_full_max, n_max, offs_m, offs_d, offs_dv, len_q, len_k,
-                               scalars, pages, True, META)
+                               scalars, pages, extras, True, META)
 
     # A row that saw no key: output 0, lse = -inf (never NaN).
     seen = l_i > 0.0

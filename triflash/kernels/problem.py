@@ -55,6 +55,7 @@ class AttnParams:
     softcap: float       # 0: off
     max_seqlen_q: int
     max_seqlen_k: int
+    chunk: int = 0       # FA3's attention_chunk (forward only): 0 off, else keys per chunk
 
     @property
     def masked(self) -> bool:
