@@ -66,8 +66,10 @@ def fake_sm90(monkeypatch):
 
 def _calls():
     q = torch.zeros(1, 8, 2, 64, dtype=torch.float16)
-    dispatch.run_fwd(q, q, q, None, None, None, None, None)
-    dispatch.run_bwd(q, q, q, q, q, None, None, None, None, None, None, False)
+    p = dispatch.problem.AttnParams(softmax_scale=0.125, window_left=-1, window_right=-1, softcap=0.0,
+                                    max_seqlen_q=8, max_seqlen_k=8)
+    dispatch.run_fwd(q, q, q, None, None, None, None, p)
+    dispatch.run_bwd(q, q, q, q, q, None, None, None, None, None, p, False)
 
 
 def test_untrusted_triton_falls_back_with_one_warning(fake_sm90, monkeypatch):
