@@ -17,8 +17,12 @@ def merge_partials(out_parts, lse_parts):
     """(out, lse) of the parts stacked along dim 0: out_parts (n, ..., headdim), lse_parts
     (n, ...) (out_parts' shape without headdim). Returns out (..., headdim) fp32 (weights
     applied elementwise in fp32: no matmul, so no TF32 whatever torch's matmul precision)
-    and lse (...) fp32."""
+    and lse (...) fp32. The parts are added one at a time: no temporary of all of them (FA3's
+    combine tests merge 133 parts of 5 x 1024 x 16 x 256 fp32, 11 GB)."""
     lse = torch.logsumexp(lse_parts, dim=0)
     weights = torch.exp(lse_parts - lse)  # NaN where every part is -inf (lse -inf too)
-    weights = torch.where(torch.isfinite(weights), weights, 0.0)
-    return (weights.unsqueeze(-1) * out_parts.float()).sum(0), lse
+    weights = torch.where(torch.isfinite(weights), weights, 0.0).unsqueeze(-1)
+    out = weights[0] * out_parts[0].float()
+    for i in range(1, out_parts.shape[0]):
+        out += weights[i] * out_parts[i].float()
+    return out, lse
