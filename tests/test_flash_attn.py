@@ -304,3 +304,22 @@ def test_dense_seqused_backward_zeroes_unused_rows(monkeypatch):
     assert not dq.isnan().any()
     assert dk[0, 20:].eq(0).all() and dk[1, 11:].eq(0).all() and dv[0, 20:].eq(0).all() and dv[1, 11:].eq(0).all()
     assert not dk[0, :20].isnan().any() and not dk[1, :11].isnan().any()
+
+
+def test_wide_rows_of_the_portable_forward(monkeypatch):
+    """A Q / O row offset inside a sequence that can pass 2^31 elements (131073 queries x 128
+    heads x 128) takes the 64-bit form (``portable.wide_rows``); that form computes what the
+    32-bit one does."""
+    from triflash.kernels import portable
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    big, small = torch.empty(1, 131073, 128, 128, **meta), torch.empty(1, 8192, 16, 128, **meta)
+    assert portable.wide_rows(131073, 128, big, big, False)
+    assert not portable.wide_rows(8192, 128, small, small, False)
+    assert portable.wide_rows(1, 128, big[0], big[0], True) is False  # varlen: the row stride 16384
+    assert portable.wide_rows(131073, 128, big[0], big[0], True)
+    q, k, v = _inputs(2, 77, 91, 4, 2, 64, 64, torch.float16, seed=5)
+    with triflash.force_backend("portable"):
+        want = triflash.flash_attn_func(q, k, v, causal=True)
+        monkeypatch.setattr(portable, "wide_rows", lambda *a: True)
+        got = triflash.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(got, want)

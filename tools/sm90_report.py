@@ -90,8 +90,8 @@ SPILL_RULES: Dict[tuple, tuple] = {
                         f"variant with the one-dimensional launch, common.launch_order; 1088 without it)"),
     ("bwd_dq", 64): (896, f"64x128 dQ tile, 4 warps, under the window/varlen masks: {_MEASURED}"),
     ("bwd_dkdv", 64): (1536, f"64x128 dK/dV tile: {_MEASURED}; {_PORTABLE}"),
-    ("fwd", 72): (11968, f"{_MASKED_D} (11928 B with the one-dimensional launch and the Q / O rows' 64-bit "
-                         f"base, 11728 with 32-bit rows, 11264 with neither)"),
+    ("fwd", 72): (11968, f"{_MASKED_D} (11728 B with the one-dimensional launch; 11928 when every block's Q / "
+                         f"O rows were 64-bit, now only under WIDE_ROWS; 11264 with neither)"),
     ("bwd_dkdv", 72): (14272, _MASKED_D),
     ("bwd_dkdv+atomic_dq", 72): (16960, _MASKED_D),
     ("bwd_dq", 72): (4160, f"{_MASKED_D} (4116 B with the launch order's two extra divisions, "
@@ -134,8 +134,8 @@ SPILL_BUDGET_BY_TRITON: Dict[str, Dict[str, tuple]] = {
     "3.8": {
         "bwd_dq-d64-bf16-all": (1152, f"{_TRITON38}: 1140 B"),
         "bwd_dq-d72-bf16-all": (4224, f"{_TRITON38}: 4192 B"),
-        "fwd-d64-bf16-all": (1216, f"{_TRITON38}: 1192 B with the Q / O rows' 64-bit base"),
-        "fwd+paged-d64-bf16-kvcache-varlen": (384, f"{_TRITON38}: 332 B with the Q / O rows' 64-bit base"),
+        "fwd-d64-bf16-all": (1216, f"{_TRITON38}: 1192 B when every block's Q / O rows were 64-bit"),
+        "fwd+paged-d64-bf16-kvcache-varlen": (384, f"{_TRITON38}: 332 B when every block's Q / O rows were 64-bit"),
         "fwd-d128-bf16-plain": (96, f"{_TRITON38}: 72 B"),
         "fwd-d128-fp16-plain": (96, f"{_TRITON38}: 80 B"),
         "fwd-d192-bf16-all": (256, f"{_TRITON38}: 216 B"),

@@ -50,6 +50,7 @@ class FwdMeta(NamedTuple):
     DENSE_K: bool = False
     HAS_CHUNK: bool = False
     HAS_QV: bool = False
+    WIDE_ROWS: bool = False  # a Q / O row offset inside a sequence may pass 2^31 elements (``wide_rows``)
 
 
 @triton.jit
@@ -188,10 +189,17 @@ def flash_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < len_q
-    # the block's first row in 64 bits (a long sequence's row offset passes 2^31 elements),
-    # the rows inside the block in 32
+    # Q / O rows: the sequence's first in 64 bits, the block's inside it in 32; under
+    # WIDE_ROWS (a row offset inside the sequence can pass 2^31 elements) the block's first
+    # row in 64 bits, the rows inside the block in 32
+    if META.WIDE_ROWS:
+        first_row = start_q + m_block * BLOCK_M
+        block_rows = rows
+    else:
+        first_row = start_q
+        block_rows = offs_m
     q_base = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-              + (start_q + m_block * BLOCK_M).to(tl.int64) * stride_qm)
+              + first_row.to(tl.int64) * stride_qm)
     if PAGED:  # rows found per key block (_paged_rows)
         k_base = K + head_kv.to(tl.int64) * stride_kh
         v_base = V + head_kv.to(tl.int64) * stride_vh
@@ -201,7 +209,7 @@ def flash_fwd_kernel(
         v_base = (V + kv_batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
                   + start_k.to(tl.int64) * stride_vn)
     page_row = PAGE_TABLE + batch.to(tl.int64) * stride_ptb
-    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
+    q = tl.load(q_base + block_rows[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -243,8 +251,8 @@ def flash_fwd_kernel(
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
     o_base = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-              + (start_q + m_block * BLOCK_M).to(tl.int64) * stride_om)
-    tl.store(o_base + rows[:, None] * stride_om + offs_dv[None, :], to_output(out, O.dtype.element_ty, UPCAST),
+              + first_row.to(tl.int64) * stride_om)
+    tl.store(o_base + block_rows[:, None] * stride_om + offs_dv[None, :], to_output(out, O.dtype.element_ty, UPCAST),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEADDIM_V))
     lse_base = LSE + batch.to(tl.int64) * stride_lseb + head.to(tl.int64) * stride_lseh
     tl.store(lse_base + (start_q + offs_m).to(tl.int64) * stride_lsem, lse, mask=row_ok)

@@ -48,6 +48,14 @@ def _common_flags(q, v, p: AttnParams, upcast: bool):
     )
 
 
+def wide_rows(max_seqlen_q: int, block_m: int, q, out, varlen: bool) -> bool:
+    """``FwdMeta.WIDE_ROWS``: whether a Q or O row offset inside a sequence (row x row stride,
+    rows up to the longest sequence rounded up to a block) can pass 2^31 elements; else it is
+    computed in 32 bits and only the sequence's first row in 64."""
+    row_stride = max(abs(bshd_strides(q, varlen)[1]), abs(bshd_strides(out, varlen)[1]))
+    return (max_seqlen_q + block_m) * row_stride >= 2 ** 31
+
+
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams,
         cfg: FwdConfig, upcast: bool, cache: Optional[CacheAddressing] = None,
         out: Optional[torch.Tensor] = None, qv: Optional[torch.Tensor] = None):
@@ -79,7 +87,8 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         (qk_scale, softcap_log2, p.window_left, p.window_right, _sections(q, k, v, s, p)),
         *cache_ptrs, cache_paging, extras,
         FwdMeta(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
-                **cache_flags, DENSE_K=varlen and not k_varlen, HAS_CHUNK=p.chunk > 0, HAS_QV=qv is not None),
+                **cache_flags, DENSE_K=varlen and not k_varlen, HAS_CHUNK=p.chunk > 0, HAS_QV=qv is not None,
+                WIDE_ROWS=wide_rows(p.max_seqlen_q, cfg.block_m, q, out, varlen)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
