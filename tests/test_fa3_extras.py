@@ -206,16 +206,17 @@ _COMPILE = """
 import json, sys, torch
 from tools import sm90_report as R
 from triflash.kernels import configs, portable, problem
-d, dv, qv = {args}
+d, dv, qv, chunk, s, h = {args}
 meta = dict(device="meta", dtype=torch.bfloat16)
-q, k, v = torch.empty(2, 4096, 16, d, **meta), torch.empty(2, 4096, 2, d, **meta), torch.empty(2, 4096, 2, dv, **meta)
-p = problem.AttnParams(softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0, max_seqlen_q=4096,
-                       max_seqlen_k=4096, chunk=1024)
+q, k, v = torch.empty(1, s, h, d, **meta), torch.empty(1, s, 2, d, **meta), torch.empty(1, s, 2, dv, **meta)
+p = problem.AttnParams(softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0, max_seqlen_q=s,
+                       max_seqlen_k=s, chunk=chunk)
 with R._recording() as log:
     portable.fwd(q, k, v, None, None, None, None, p, configs.fwd_config("sm90", d, dv), upcast=False,
-                 qv=torch.empty(2, 4096, 16, dv, **meta) if qv else None)
+                 qv=torch.empty(1, s, h, dv, **meta) if qv else None)
 [(fn, args, kwargs)] = log
-assert args[-1].HAS_CHUNK and args[-1].HAS_QV == qv
+m = args[-1]
+assert (m.HAS_CHUNK, m.HAS_QV, m.WIDE_ROWS) == (chunk > 0, qv, s * h * d >= 2 ** 31), m
 signature, constexprs, attrs, options = R._specialize(fn, args, kwargs)
 r = R._compile_spec(dict(module=fn.fn.__module__, name=fn.__name__, signature=signature,
                          constexprs=sorted(constexprs.items()), attrs=sorted(attrs.items()), options=options))
@@ -224,10 +225,13 @@ print(json.dumps(dict(shared=r["shared"], spills=r["spill_stores"] + r["spill_lo
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("args", [(128, 128, False), (64, 512, True)], ids=["chunk-d128", "qv-chunk-d64v512"])
+@pytest.mark.parametrize("args", [(128, 128, False, 1024, 4096, 16), (64, 512, True, 1024, 4096, 16),
+                                  (128, 128, False, 0, 131073, 128)],
+                         ids=["chunk-d128", "qv-chunk-d64v512", "wide-rows-d128"])
 def test_extras_forward_fits_sm90(args):
-    """The portable forward's launches with the extras compile for sm_90a within Hopper's
-    shared memory (the decode kernel's forms with them: tools/decode_compile.py EXTRAS)."""
+    """The portable forward's launches with the extras, and with 64-bit rows (a sequence of
+    131073 x 128 heads x 128: ``portable.wide_rows``), compile for sm_90a within Hopper's
+    shared memory (the decode kernel's forms with the extras: tools/decode_compile.py EXTRAS)."""
     import json
     import os
     import subprocess
