@@ -461,3 +461,28 @@ def test_decode_isolated_peer(tmp_path):
             sorted(r["ms_rounds"])[0] / 2 + sorted(r["ms_rounds"])[1] / 2)
     # same tensors as the parent: the isolated peer's error equals an in-process one's
     assert rows["sdpa-math"]["max_err"]["out"] < rows["sdpa-math"]["tolerance"]["out"]
+
+
+def test_decode_cpu_run_fp8(tmp_path):
+    """--preset decode-cpu --dtype fp8 (FA3's fp8 caches): triflash's rows checked against the
+    fp32 reference, at 1 byte per element; peers without fp8 skipped with the reason; the
+    paged layout holds the dense cache's bits; the training presets refuse fp8."""
+    import torch
+    from triflash.bench.decode import make_inputs
+    from triflash.bench.decode_cases import DecodeCase, label
+    case = DecodeCase(2, 32, 4, 2, 64, page_size=16, dtype="fp8")
+    x = make_inputs(case, "cpu")
+    assert x.kv_paged.dtype == torch.float8_e4m3fn and case.kv_bytes() == 2 * 32 * 2 * 128
+    k = x.kv_paged[:, :, 0]
+    assert torch.equal(k[x.page_table[1, 1], 3].view(torch.uint8), x.k_cache[1, 19].view(torch.uint8))
+    out = tmp_path / "decode.json"
+    assert main(["--device", "cpu", "--preset", "decode-cpu", "--dtype", "fp8", "--impls", "triflash,sdpa-math",
+                 "--headdims", "64", "--commit", "abc1234", "--out", str(out), "--no-plot"]) == 0
+    rows = json.loads(out.read_text())["results"]
+    mine = [r for r in rows if r["impl"] == "triflash"]
+    assert mine and all(r["passed"] is True and r["dtype"] == "fp8" for r in mine), mine
+    assert all(r["note"] == "skipped: no fp8 (e4m3) inputs" for r in rows if r["impl"] == "sdpa-math")
+    assert {label(r) for r in mine} and all(r["kv_bytes"] * 2 == DecodeCase(**{
+        f: r[f] for f in DecodeCase.__dataclass_fields__ if f in r and f != "dtype"}).kv_bytes() for r in mine)
+    with pytest.raises(SystemExit, match="fp8"):
+        main(["--device", "cpu", "--preset", "cpu", "--dtype", "fp8", "--out", str(tmp_path / "t.json")])

@@ -32,7 +32,8 @@ What one case does, as FA3's does:
 
 Pruned from FA3's grid, with the reason:
 
-* fp8 (e4m3) inputs and their descales: triflash has no fp8 path (fp8 inputs raise TypeError);
+* fp8 (e4m3) inputs: tests/test_fp8.py tests them (caches, appends, rotary, descales), and
+  samples of FA3's own file ran its fp8 kvcache cases (docs/performance.md);
 * ``qv``: FA3's grid draws it only for d = 64 with dv >= 256; its kvcache grid has d = 128,
   dv = 128, so it never does (tests/test_fa3_extras.py tests qv, MLA's decode included);
 * has_rotary_seqlens: FA3's grid runs only False (True is commented out there); kept so;

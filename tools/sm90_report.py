@@ -327,8 +327,8 @@ def _record_host_call(direction: str, config, d: int, dv: int, dtype: str, f: Fe
     chosen = []
     table = configs.fwd_config if direction == "fwd" else configs.bwd_config
 
-    def pick(arch, headdim, headdim_v):
-        cfg = table("sm90", headdim, headdim_v) if config is None else config
+    def pick(arch, headdim, headdim_v, **kw):
+        cfg = table("sm90", headdim, headdim_v, **kw) if config is None else config
         chosen.append(cfg)
         return cfg
 

@@ -20,7 +20,8 @@
                  tiles cut into equal shares of key blocks, one per SM, the pieces
                  merged after (hopper.fwd.split_keys, hopper/split_combine.py)
               otherwise                         -> portable forward, configs.fwd_config(target, d, dv)
-                 (also FA3's forward-only extras: attention_chunk, qv, headdim_v > 256)
+                 (also FA3's forward-only extras: attention_chunk, qv, headdim_v > 256,
+                 fp8 inputs)
               KV cache (run_fwd_cache): a decoding step (query tokens x GQA group <= 64
                  rows, decodes()) -> kernels/decode.py on every target (packed GQA, split
                  keys; attention_chunk too); longer queries with cache_batch_idx /
@@ -134,6 +135,8 @@ def _hopper_supports(module, q, k, v, cu_seqlens_q, seqused_q, seqused_k, target
     if (cu_seqlens_q is not None or seqused_q is not None or seqused_k is not None) and not getattr(
             module, "VARLEN", False):
         return "varlen / seqused"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (fp8: the portable forward)"
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in module.HEAD_DIMS:
         return f"head dims ({d}, {dv}) (needs equal, one of {module.HEAD_DIMS})"
@@ -162,10 +165,12 @@ def hopper_bwd_supports(q, k, v, cu_seqlens_q, seqused_q, seqused_k, target=None
     return why_not
 
 
-def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, out=None, qv=None):
+def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, out=None, qv=None,
+            descale=None):
     """(out, lse); a given ``out`` (contiguous last dim, any other strides) is written instead
-    of a new tensor (the SDPA backend's (batch, heads, seqlen, dim) outputs). ``qv`` and
-    ``params.chunk``: FA3's forward-only extras, which the portable forward serves."""
+    of a new tensor (the SDPA backend's (batch, heads, seqlen, dim) outputs). ``qv``,
+    ``params.chunk`` and fp8 inputs with their ``descale`` (q, k, v): FA3's forward-only
+    extras, which the portable forward serves."""
     target = target_of(q.device)
     chosen = backend()
     if _try_hopper(chosen, target):
@@ -185,9 +190,9 @@ def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params, o
             raise NotImplementedError(f"triflash: the Hopper forward does not serve this case: {why_not}")
     elif chosen == "hopper":
         raise NotImplementedError(f"triflash: the Hopper backend needs an sm90 GPU, got target {target!r}")
-    cfg = configs.fwd_config(target, q.shape[-1], v.shape[-1])
+    cfg = configs.fwd_config(target, q.shape[-1], v.shape[-1], fp8=descale is not None)
     return portable.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, params,
-                        cfg, upcast=target == "interpret", out=out, qv=qv)
+                        cfg, upcast=target == "interpret", out=out, qv=qv, descale=descale)
 
 
 def decodes(max_seqlen_q, nheads, nheads_kv, batch) -> bool:
@@ -196,22 +201,24 @@ def decodes(max_seqlen_q, nheads, nheads_kv, batch) -> bool:
     return decode.serves(max_seqlen_q, nheads, nheads_kv) and batch * nheads_kv <= GRID_YZ_MAX
 
 
-def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, num_splits=0, qv=None):
+def run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, num_splits=0, qv=None,
+                  descale=None):
     """The forward over a KV cache addressed through ``cache`` (``problem.CacheAddressing``:
     cache_batch_idx, cache_leftpad, a page table, or a dense cache) or under packed queries
     (cu_seqlens_q): a decoding step runs the decode kernel (packed GQA, split keys) on every
     target; longer queries the portable forward (the Hopper forward reads K/V in TMA boxes
-    of contiguous rows of one batch)."""
+    of contiguous rows of one batch). ``descale``: fp8 inputs' (q, k, v) descales."""
     target = target_of(q.device)
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
     if qv is None and decodes(params.max_seqlen_q, q.shape[-2], k_cache.shape[-2], batch):
-        return decode.fwd(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, target, num_splits)
+        return decode.fwd(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache, params, target, num_splits,
+                          descale=descale)
     if backend() == "hopper":
         raise NotImplementedError("triflash: the Hopper forward does not serve a KV cache with "
                                   "cache_batch_idx, cache_leftpad, a page table, varlen q or qv")
-    cfg = configs.fwd_config(target, q.shape[-1], v_cache.shape[-1])
+    cfg = configs.fwd_config(target, q.shape[-1], v_cache.shape[-1], fp8=descale is not None)
     return portable.fwd(q, k_cache, v_cache, cu_seqlens_q, None, None, seqused_k, params, cfg,
-                        upcast=target == "interpret", cache=cache, qv=qv)
+                        upcast=target == "interpret", cache=cache, qv=qv, descale=descale)
 
 
 def run_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,

@@ -98,8 +98,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     (batch, nheads, seqlen_q), the fp32 natural-log log-sum-exp of the scaled scores.
     Differentiable in q, k, v. Scalars in any of FA3's forms (module docstring).
     ``num_splits``, ``pack_gqa`` and ``sm_margin`` are FA3 performance hints, accepted and
-    ignored, as are the fp8 descales (FA3 reads them only for fp8 inputs, which triflash
-    refuses). FA3's forward-only extras: ``attention_chunk`` > 0 (each query sees only the
+    ignored. fp8 (FA3's float8_e4m3fn q, k, v; forward only, bf16 output): scores
+    q k^T x q_descale x k_descale x softmax_scale, output P v x v_descale, the descales
+    float32 (batch, nheads_kv) tensors or None (1); for fp16 / bf16 inputs the descales are
+    ignored, as FA3 ignores them. FA3's forward-only extras: ``attention_chunk`` > 0 (each query sees only the
     keys of its position's chunk of that many keys, intersected with causal / window), ``qv``
     (batch, seqlen_q, nheads, headdim_v): scores q k^T + qv v^T (the default scale then
     (headdim + headdim_v) ** -0.5); headdim_v up to 512. Their backward raises
@@ -114,7 +116,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     if scalars is None:
         causal = V.as_flag("causal", causal)
         deterministic = V.as_flag("deterministic", deterministic)
-        V.check_qkv(q, k, v, varlen=False)
+        V.check_qkv(q, k, v, varlen=False, fp8=True)
         q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
         qv, chunk = V.check_extras(qv, attention_chunk, q, v)
         softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
@@ -124,8 +126,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
             if len(_VALIDATED) >= 256:
                 _VALIDATED.clear()
             _VALIDATED[key] = scalars
-    if qv is not None or chunk > 0:
-        out, lse = ops.attention_extras(q, k, v, qv, None, None, None, None, *scalars, chunk)
+    descale = None
+    if q.dtype == V.FP8:
+        descale = V.check_descales(q, v, qv, (q_descale, k_descale, v_descale), q.shape[0], k.shape[-2])
+    if qv is not None or chunk > 0 or descale is not None:
+        out, lse = ops.attention_extras(q, k, v, qv, None, None, None, None, *scalars, chunk, descale)
     else:
         out, lse = ops.attention(q, k, v, None, None, None, None, *scalars)
     return (out, lse) if return_attn_probs else out
@@ -153,13 +158,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     no split; 0: the heuristic). Returns out
     (total_q, nheads, headdim_v) (a dense q: (batch, seqlen_q, nheads, headdim_v)), and lse
     (nheads, total_q) (a dense q: (batch, nheads, seqlen_q)) if return_attn_probs.
-    ``qv`` (q's layout, headdim_v wide) and ``attention_chunk``: FA3's forward-only extras,
-    per sequence, as in ``flash_attn_func``.
+    ``qv`` (q's layout, headdim_v wide), ``attention_chunk`` and fp8 inputs with their
+    descales ((batch, nheads_kv), batch the sequences): FA3's forward-only extras, per
+    sequence, as in ``flash_attn_func``.
     """
     causal = V.as_flag("causal", causal)
     deterministic = V.as_flag("deterministic", deterministic)
-    V._check_tensor("q", q, 4 if cu_seqlens_q is None else 3)
-    V._check_tensor("v", v, 4 if cu_seqlens_k is None else 3)
+    V._check_tensor("q", q, 4 if cu_seqlens_q is None else 3, fp8=True)
+    V._check_tensor("v", v, 4 if cu_seqlens_k is None else 3, fp8=True)
     qv, chunk = V.check_extras(qv, attention_chunk, q, v)
     dense_q = dense_kv = None
     if cu_seqlens_q is None:  # FA3: q is then a dense batch (batch, seqlen_q, ...)
@@ -170,8 +176,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         max_seqlen_q = V.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     if cu_seqlens_k is None:  # likewise k and v
-        V._check_tensor("k", k, 4)
-        V._check_tensor("v", v, 4)
+        V._check_tensor("k", k, 4, fp8=True)
+        V._check_tensor("v", v, 4, fp8=True)
         V._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
         batch = cu_seqlens_q.shape[0] - 1
         for name, t in (("k", k), ("v", v)):
@@ -185,8 +191,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         v = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
     else:
         max_seqlen_k = V.as_max_seqlen("max_seqlen_k", max_seqlen_k)
-    V.check_qkv(q, k, v, varlen=True)
+    V.check_qkv(q, k, v, varlen=True, fp8=True)
     V.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    descale = V.check_descales(q, v, qv, (q_descale, k_descale, v_descale), cu_seqlens_q.shape[0] - 1, k.shape[-2])
     q, k, v = (V.last_dim_contiguous(x) for x in (q, k, v))
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
     left, right = V.normalize_window(window_size, causal)
@@ -198,10 +205,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         num_splits = V.as_int("num_splits", num_splits, "expected an int, 0 for a heuristic")
         k_cache, v_cache = (V.last_dim_contiguous(x) for x in dense_kv)
         out, lse = ops.attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, None, None, None,
-                                         scalars[0] + [max(num_splits, 0)], scalars[1], chunk=chunk)
-    elif qv is not None or chunk > 0:
+                                         scalars[0] + [max(num_splits, 0)], scalars[1], chunk=chunk,
+                                         descale=descale)
+    elif qv is not None or chunk > 0 or descale is not None:
         out, lse = ops.attention_extras(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars,
-                                        chunk)
+                                        chunk, descale)
     else:
         out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars)
     if dense_q is not None:
@@ -252,13 +260,14 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
         V._fail("qkv.dim()", qkv.dim(), "expected 5 dims (batch, seqlen, 3, nheads, headdim) or 4 with num_heads_q")
     qkv = V.last_dim_contiguous(qkv)
     q, k, v = ops.split_qkv(qkv, num_heads_q)
-    V.check_qkv(q, k, v, varlen=False)
+    V.check_qkv(q, k, v, varlen=False, fp8=True)
     _, chunk = V.check_extras(None, attention_chunk, q, v)
+    descale = V.check_descales(q, v, None, (q_descale, k_descale, v_descale), q.shape[0], k.shape[-2])
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, q.shape[-1])
     left, right = V.normalize_window(window_size, causal)
-    if chunk > 0:  # (FA3's forward-only extra: the views, as flash_attn_func takes them)
+    if chunk > 0 or descale is not None:  # (FA3's forward-only extras: the views, as flash_attn_func takes them)
         ints, floats = ops.pack_scalars(q.shape[1], k.shape[1], softmax_scale, left, right, softcap, deterministic)
-        out, lse = ops.attention_extras(q, k, v, None, None, None, None, None, ints, floats, chunk)
+        out, lse = ops.attention_extras(q, k, v, None, None, None, None, None, ints, floats, chunk, descale)
         return (out, lse) if return_attn_probs else out
     out, lse = ops.attention_qkvpacked(qkv, [num_heads_q, left, right, int(deterministic)],
                                        [float(softmax_scale), float(softcap)])
@@ -307,8 +316,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     (total_new, nheads_kv, headdim[_v]), sequence b's new tokens rows cu_seqlens_k_new[b] ..
     cu_seqlens_k_new[b + 1] - 1 (FA3's varlen append; without new k, v it is ignored, as in
     FA3). ``attention_chunk`` and ``qv`` (q's layout, headdim_v wide; MLA's absorbed decode
-    with headdim 64 / headdim_v 512) as in ``flash_attn_func``. FA3's fp8 descales are
-    ignored (as FA3 does for fp16 / bf16); ``scheduler_metadata`` (the plan, which
+    with headdim 64 / headdim_v 512) and fp8 inputs (q, the caches and new keys; the
+    descales (batch, nheads_kv)) as in ``flash_attn_func``; ``scheduler_metadata`` (the plan, which
     the call recomputes from the shapes), ``pack_gqa`` and ``sm_margin`` are accepted and
     change nothing. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
     page_table, cu_seqlens_q) are checked on the host on the CPU or with
@@ -328,6 +337,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
     rotary = V.check_rotary(rotary_cos, rotary_sin, rotary_seqlens, q, k, batch)
     qv, chunk = V.check_extras(qv, attention_chunk, q, v_cache)
+    descale = V.check_descales(q, v_cache, qv, (q_descale, k_descale, v_descale), batch, k_cache.shape[-2])
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
     left, right = V.normalize_window(window_size, causal)
     with torch.no_grad():
@@ -357,9 +367,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             num_splits = V.as_int("num_splits", num_splits, "expected an int, 0 for a heuristic")
             out, lse = ops.attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, used, cache_batch_idx,
                                              cache_leftpad, page_table, ints + [max(num_splits, 0)], floats,
-                                             qv=qv, chunk=chunk)
-        elif qv is not None or chunk > 0:  # prefill over a plain dense cache with FA3's extras
-            out, lse = ops.attention_extras(q, k_cache, v_cache, qv, None, None, None, used, ints, floats, chunk)
+                                             qv=qv, chunk=chunk, descale=descale)
+        elif qv is not None or chunk > 0 or descale is not None:  # prefill over a plain dense cache, FA3's extras
+            out, lse = ops.attention_extras(q, k_cache, v_cache, qv, None, None, None, used, ints, floats, chunk,
+                                            descale)
         else:  # prefill over a plain dense cache: the dense kernels (the Hopper tier on sm90)
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
     if not return_softmax_lse:

@@ -261,26 +261,29 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, f
 
 
 class _AttentionExtras(torch.autograd.Function):
-    """FlashAttention-3's forward-only extras (``attention_chunk`` > 0, ``qv``): the forward,
-    and a backward that raises, as FA3's asserts."""
+    """FlashAttention-3's forward-only extras (``attention_chunk`` > 0, ``qv``, fp8 inputs
+    with their ``descale``): the forward, and a backward that raises, as FA3's asserts."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats, chunk):
+    def forward(ctx, q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats, chunk,
+                descale):
         out, lse = dispatch.run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                    _params(ints, floats, chunk), qv=qv)
+                                    _params(ints, floats, chunk), qv=qv, descale=descale)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        raise NotImplementedError("triflash: attention with attention_chunk > 0 or qv is forward-only "
-                                  "(FlashAttention-3's backward does not take them either)")
+        raise NotImplementedError("triflash: attention with attention_chunk > 0, qv or fp8 inputs is "
+                                  "forward-only (FlashAttention-3's backward does not take them either)")
 
 
-def attention_extras(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats, chunk):
-    """(out, lse) of a forward with FA3's forward-only extras (``_AttentionExtras``)."""
+def attention_extras(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats, chunk,
+                     descale=None):
+    """(out, lse) of a forward with FA3's forward-only extras (``_AttentionExtras``);
+    ``descale``: fp8 inputs' (q, k, v) descales (``validation.check_descales``)."""
     return _AttentionExtras.apply(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints,
-                                  floats, chunk)
+                                  floats, chunk, descale)
 
 
 def attention_qkvpacked(qkv, ints, floats):
@@ -320,22 +323,23 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Optio
 
 
 def _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start, page_table,
-                      ints, floats, qv=None, chunk=0):
-    """(``qv`` and ``chunk``, FA3's forward-only extras, are passed only by direct calls.)"""
+                      ints, floats, qv=None, chunk=0, descale=None):
+    """(``qv``, ``chunk`` and fp8 inputs' ``descale``, FA3's forward-only extras, are passed
+    only by direct calls.)"""
     cache = CacheAddressing(batch_idx=batch_idx, start=k_start, page_table=page_table)
     num_splits = ints[5] if len(ints) > 5 else 0  # (FA3's num_splits: 0 picks)
     return dispatch.run_fwd_cache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, cache,
-                                  _params(ints, floats, chunk), num_splits, qv=qv)
+                                  _params(ints, floats, chunk), num_splits, qv=qv, descale=descale)
 
 
 def attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start, page_table,
-                      ints, floats, qv=None, chunk=0):
+                      ints, floats, qv=None, chunk=0, descale=None):
     """``fwd_kvcache``: the custom op under torch.compile, else its implementation called
     directly (a decoding step is short enough for the op's per-call Python work to show).
-    FA3's extras ``qv`` / ``chunk`` run the implementation directly."""
-    if qv is not None or chunk > 0:
+    FA3's extras ``qv`` / ``chunk`` / fp8 ``descale`` run the implementation directly."""
+    if qv is not None or chunk > 0 or descale is not None:
         return _fwd_kvcache_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
-                                 page_table, ints, floats, qv, chunk)
+                                 page_table, ints, floats, qv, chunk, descale)
     if torch.compiler.is_compiling():
         return fwd_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, batch_idx, k_start,
                            page_table, ints, floats)

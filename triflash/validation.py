@@ -11,6 +11,8 @@ import torch
 from . import dispatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# FlashAttention-3's fp8 inputs (forward only, output bf16): FA3's own call forms take them
+FP8 = torch.float8_e4m3fn
 MAX_HEADDIM = 256
 # v's head dim may reach 512 (FlashAttention-3's MLA shape, headdim 64 / headdim_v 512) in the
 # forward; the backward stops at MAX_HEADDIM (dispatch.run_bwd)
@@ -29,13 +31,15 @@ def _fail(name, value, allowed, exc=ValueError):
     raise exc(f"{name}={value} is not supported: {allowed}")
 
 
-def _check_tensor(name, x, ndim):
+def _check_tensor(name, x, ndim, fp8=False):
+    """``fp8``: FA3's call forms, which also take torch.float8_e4m3fn (forward only)."""
     if not isinstance(x, torch.Tensor):
         _fail(name, type(x).__name__, "expected a torch.Tensor", TypeError)
     if x.dim() != ndim:
         _fail(f"{name}.dim()", x.dim(), f"expected {ndim} dims ({'total, heads, dim' if ndim == 3 else 'batch, seqlen, heads, dim'}), got shape {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        _fail(f"{name}.dtype", x.dtype, "expected torch.float16 or torch.bfloat16", TypeError)
+    if x.dtype not in SUPPORTED_DTYPES and not (fp8 and x.dtype == FP8):
+        _fail(f"{name}.dtype", x.dtype, "expected torch.float16 or torch.bfloat16"
+              + (" (or torch.float8_e4m3fn, forward only)" if fp8 else ""), TypeError)
 
 
 def _check_headdim(name, d, most=MAX_HEADDIM):
@@ -175,12 +179,37 @@ def check_extras(qv, attention_chunk, q, v):
     return qv, min(chunk, _WINDOW_CAP)
 
 
-def check_qkv(q, k, v, varlen: bool, names=("q", "k", "v")):
+def check_descales(q, v, qv, descales, batch, nheads_kv):
+    """FA3's fp8 forward: with float8_e4m3fn inputs, ``descales`` (q_descale, k_descale,
+    v_descale) are float32 (batch, nheads_kv) tensors (any strides, e.g. expanded views) or
+    None (1). Scores are q k^T x q_descale x k_descale x softmax_scale and the output P v x
+    v_descale, each per sequence and KV head. Returns the three tensors (a None as ones), or
+    None for fp16 / bf16 inputs, whose descales are ignored, as FA3 ignores them."""
+    if q.dtype != FP8:
+        return None
+    if qv is not None:
+        _fail("qv", "a tensor", "qv takes fp16 / bf16 inputs (FA3 has no fp8 qv)", NotImplementedError)
+    if v.shape[-1] > MAX_HEADDIM:
+        _fail("v head dim", v.shape[-1], f"fp8 inputs take headdim_v up to {MAX_HEADDIM} (as FA3)")
+    out = []
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if t is None:
+            t = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, nheads_kv)
+        elif not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (batch, nheads_kv):
+            _fail(name, t if not isinstance(t, torch.Tensor) else f"tensor{tuple(t.shape)} {t.dtype}",
+                  f"expected None or a float32 tensor of shape (batch, nheads_kv) = ({batch}, {nheads_kv})")
+        else:
+            check_device(q, t)
+        out.append(t)
+    return tuple(out)
+
+
+def check_qkv(q, k, v, varlen: bool, names=("q", "k", "v"), fp8=False):
     ndim = 3 if varlen else 4
     qn, kn, vn = names
-    _check_tensor(qn, q, ndim)
-    _check_tensor(kn, k, ndim)
-    _check_tensor(vn, v, ndim)
+    _check_tensor(qn, q, ndim, fp8)
+    _check_tensor(kn, k, ndim, fp8)
+    _check_tensor(vn, v, ndim, fp8)
     _check_dtypes_heads(q, k, v, names)
     if not varlen:
         if not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -289,9 +318,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
     (a device sync) on the CPU, or on a GPU with ``set_check_inputs(True)``; the kernels clamp
     them so that nothing faults."""
     varlen_q = cu_seqlens_q is not None
-    _check_tensor("q", q, 3 if varlen_q else 4)
-    _check_tensor("k_cache", k_cache, 4)
-    _check_tensor("v_cache", v_cache, 4)
+    _check_tensor("q", q, 3 if varlen_q else 4, fp8=True)
+    _check_tensor("k_cache", k_cache, 4, fp8=True)
+    _check_tensor("v_cache", v_cache, 4, fp8=True)
     names = ("q", "k_cache", "v_cache")
     _check_dtypes_heads(q, k_cache, v_cache, names)
     if tuple(k_cache.shape[:2]) != tuple(v_cache.shape[:2]):
@@ -342,8 +371,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
               "pass both new k and v, or neither")
     new_lens = None
     if k is not None and cu_seqlens_k_new is not None:
-        _check_tensor("k", k, 3)
-        _check_tensor("v", v, 3)
+        _check_tensor("k", k, 3, fp8=True)
+        _check_tensor("v", v, 3, fp8=True)
         _check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new)
         check_device(q, cu_seqlens_k_new)
         if cu_seqlens_k_new.shape[0] != batch + 1:
@@ -362,8 +391,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
             new_lens = cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
             seqlen_new = int(new_lens.max().item())  # (the bound the cache_seqlens check uses)
     elif k is not None:
-        _check_tensor("k", k, 4)
-        _check_tensor("v", v, 4)
+        _check_tensor("k", k, 4, fp8=True)
+        _check_tensor("v", v, 4, fp8=True)
         seqlen_new = k.shape[1]
         for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
             want = (batch, seqlen_new) + tuple(cache.shape[2:])

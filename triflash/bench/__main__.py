@@ -50,7 +50,8 @@ def parse_args(argv):
     g.add_argument("--causal", choices=["both", "true", "false"], default="both")
     g.add_argument("--window", nargs=2, type=int, metavar=("LEFT", "RIGHT"),
                    help="sliding window (FA convention, -1 = unbounded)")
-    g.add_argument("--dtype", choices=["bf16", "fp16"], help="default bf16 on CUDA, fp16 on CPU")
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp8"], help=(
+        "default bf16 on CUDA, fp16 on CPU; fp8 (e4m3 q and caches, FA3's fp8 forward): the decode presets only"))
     t = p.add_argument_group("timing and checking")
     t.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     t.add_argument("--warmup", type=int, default=50, help="do_bench warmup, ms (default 50)")
@@ -133,6 +134,8 @@ def build_case_list(args, device):
     they replace the defaults (FA3's sweep on CUDA, the tiny CPU group otherwise)."""
     shape = {f: getattr(args, f) for f in SHAPE_FLAGS}
     explicit = any(v is not None for v in shape.values())
+    if args.dtype == "fp8":
+        sys.exit("--dtype fp8: the decode presets only (fp8 has no backward)")
     common = dict(causal=args.causal, dtype=args.dtype or ("bf16" if device == "cuda" else "fp16"),
                   window=args.window, nheads_kv=args.nheads_kv, seqlen_k=args.seqlen_k,
                   headdim_v=args.headdim_v)
@@ -416,7 +419,7 @@ def run_decode_cases(cases, impls, args, device, skipped, on_case=None, done=Non
             base = dict(impl=impl.name, **case.fields(), kv_layout=layout, kv_full=full,
                         kv_tokens=case.kv_tokens(full), kv_bytes=case.kv_bytes(full), ms=None, host_ms=None,
                         tb_s=None, tflops=None, max_err={"out": None}, tolerance=None, passed=None, note="")
-            reason = impl.unsupported(case)
+            reason = D.dtype_unsupported(impl.name, case) or impl.unsupported(case)
             if reason:
                 case_rows.append(dict(base, note=f"skipped: {reason}"))
                 continue

@@ -41,8 +41,19 @@ from typing import Dict, Optional
 
 import torch
 
-from .decode_cases import CPU_IMPLS, GPU_IMPLS, ISOLATED_BY_DEFAULT, SUBJECTS, DecodeCase  # noqa: F401
-from .runner import DTYPES, Reference, bench, compare
+from .decode_cases import CPU_IMPLS, FP8_IMPLS, GPU_IMPLS, ISOLATED_BY_DEFAULT, SUBJECTS, DecodeCase  # noqa: F401
+from .runner import DTYPES as _DTYPES
+from .runner import Reference, bench, compare
+
+# fp8: FA3's float8_e4m3fn q and caches (bf16 output); the inputs are drawn in bf16 and rounded
+DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
+
+
+def dtype_unsupported(name, case):
+    """Why implementation ``name`` cannot run ``case``'s dtype, or None."""
+    if case.dtype == "fp8" and name not in FP8_IMPLS:
+        return "no fp8 (e4m3) inputs"
+    return None
 
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 8 << 20}  # the copy's source buffer
 
@@ -80,13 +91,24 @@ class DecodeInputs:
         return self.derived[key]
 
 
+def _bits(x):
+    """x's raw bits (an integer view of its element size): indexing and concatenation work on
+    every dtype's bits, fp8's included."""
+    return x.view({1: torch.uint8, 2: torch.int16}[x.element_size()])
+
+
+def _cat(xs, dim):
+    return torch.cat([_bits(x) for x in xs], dim=dim).view(xs[0].dtype)
+
+
 def make_inputs(case: DecodeCase, device, seed=0) -> DecodeInputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = DTYPES[case.dtype]
     b, cap, hk = case.batch, case.capacity, case.nheads_kv
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=dt)
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16 if dt == DTYPES["fp8"] else dt
+                           ).to(dt)
     q = rnd(b, case.seqlen_q, case.nheads, case.headdim)
     k_cache, v_cache = rnd(b, cap, hk, case.headdim), rnd(b, cap, hk, case.headdim_v)
     lens = torch.tensor(case.seqlens(), dtype=torch.int32, device=device)
@@ -94,8 +116,8 @@ def make_inputs(case: DecodeCase, device, seed=0) -> DecodeInputs:
     if case.seqlen_new:
         k_new, v_new = rnd(b, case.seqlen_new, hk, case.headdim), rnd(b, case.seqlen_new, hk, case.headdim_v)
         n = case.cache_len
-        x.update(k_new=k_new, v_new=v_new,
-                 k_full=torch.cat([k_cache[:, :n], k_new], dim=1), v_full=torch.cat([v_cache[:, :n], v_new], dim=1))
+        x.update(k_new=k_new, v_new=v_new, k_full=_cat([k_cache[:, :n], k_new], dim=1),
+                 v_full=_cat([v_cache[:, :n], v_new], dim=1))
     else:
         x.update(k_full=k_cache[:, :case.seqlen_k], v_full=v_cache[:, :case.seqlen_k])
     if case.page_size:
@@ -103,7 +125,8 @@ def make_inputs(case: DecodeCase, device, seed=0) -> DecodeInputs:
         perm = torch.randperm(b * pps, generator=gen, device=device)
         # block perm[j] holds the j-th page of the dense caches (sequence j // pps)
         kv = torch.empty(b * pps, ps, 2, hk, case.headdim, device=device, dtype=dt)
-        kv[perm] = torch.stack([k_cache, v_cache], dim=2).view(b * pps, ps, 2, hk, case.headdim)
+        bits = _bits(kv)  # (moved as raw bits: fp8 tensors take no indexed writes)
+        bits[perm] = torch.stack([_bits(k_cache), _bits(v_cache)], dim=2).view(b * pps, ps, 2, hk, case.headdim)
         x.update(kv_paged=kv, page_table=perm.view(b, pps).to(torch.int32))
     return DecodeInputs(**x)
 
@@ -126,11 +149,14 @@ def reference(case: DecodeCase, x: DecodeInputs, full: bool, budget_elems: int) 
     for i, n in enumerate(keys[:b]):
         groups.setdefault(n, []).append(i)
     results = {}
+    # fp8: the low-precision computation in bf16 on the (exact) fp8 values, output bf16
+    lowp = (lambda t: t.bfloat16()) if x.q.dtype == DTYPES["fp8"] else (lambda t: t)
     for upcast in (True, False):
-        out = torch.empty(b, case.seqlen_q, case.nheads, case.headdim_v, device=x.q.device, dtype=x.q.dtype)
+        out = torch.empty(b, case.seqlen_q, case.nheads, case.headdim_v, device=x.q.device,
+                          dtype=lowp(x.q[:0]).dtype)
         for n, idx in groups.items():
             sel = slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1)) else idx
-            o, _ = attention_ref(x.q[sel], x.k_full[sel, :n], x.v_full[sel, :n], causal=case.causal,
+            o, _ = attention_ref(lowp(x.q[sel]), lowp(x.k_full[sel, :n]), lowp(x.v_full[sel, :n]), causal=case.causal,
                                  upcast=upcast, head_chunk=chunk)
             out[sel] = o
         results[upcast] = out

@@ -22,7 +22,9 @@ import random
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
-ITEMSIZE = {"bf16": 2, "fp16": 2}
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp8": 1}
+# The implementations that take fp8 (e4m3) q and caches (FA3's fp8 forward)
+FP8_IMPLS = ("triflash", "triflash-dense", "fa3")
 MODES = ("decode", "prefill-cache")
 # The implementations (decode.py), named here for the CLI without importing torch.
 GPU_IMPLS = ("triflash", "triflash-dense", "sdpa-cudnn", "sdpa-flash", "fa4", "fa3", "flashinfer")

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from ..kernels.problem import out_dtype
+
 NAMESPACE = "flash_attn_3"
 
 SCHEMAS = {
@@ -108,7 +110,7 @@ def _get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads, n
 
 
 def _fwd_fake(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None, *args, **kwargs):
-    out = q.new_empty(q.shape[:-1] + (v.shape[-1],)) if out is None else out
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=out_dtype(q.dtype)) if out is None else out
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:

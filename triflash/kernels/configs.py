@@ -259,6 +259,12 @@ SM90_FWD = {
     256: FwdConfig(128, 64, 8, 2),
     512: FwdConfig(64, 32, 8, 2),  # headdim_v 512 (FA3's MLA shape, forward only; not timed)
 }
+# fp8 inputs (their tiles converted to fp16 in registers): at 256 the bf16 tile (128, 64, 8, 2)
+# spills 708 B with the conversions (bf16: 136 B), (128, 32, 8, 2) none (sm_90a compile,
+# tests/test_fp8.py); not timed against each other
+SM90_FP8_FWD = {
+    256: FwdConfig(128, 32, 8, 2),
+}
 SM90_BWD = {
     64: BwdConfig(64, 128, 8, 3, 64, 128, 4, 3, atomic_dq=False),
     128: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, atomic_dq=False),
@@ -364,11 +370,15 @@ def _table_key(padded: int) -> int:
     return 64 if padded <= 64 else padded
 
 
-def fwd_config(arch: str, headdim: int, headdim_v: int) -> FwdConfig:
+def fwd_config(arch: str, headdim: int, headdim_v: int, fp8: bool = False) -> FwdConfig:
+    """``fp8``: float8_e4m3fn inputs, converted to fp16 in registers as they are loaded."""
     if arch == "interpret":
         return INTERPRET_FWD
+    key = _table_key(headdim_bucket(max(headdim, headdim_v)))
+    if fp8 and arch == "sm90" and key in SM90_FP8_FWD:
+        return SM90_FP8_FWD[key]
     table = SM90_FWD if arch == "sm90" else DEFAULT_FWD
-    return table[_table_key(headdim_bucket(max(headdim, headdim_v)))]
+    return table[key]
 
 
 def bwd_config(arch: str, headdim: int, headdim_v: int) -> BwdConfig:

@@ -74,6 +74,7 @@ class DecodeMeta(NamedTuple):
     KV_SAME: bool = False     # K and V with the same (block, row) strides: one offset serves both (``shared_offsets``)
     WIDE_ROWS: bool = False   # paged, row offsets inside a page computed in 64 bits (``wide_rows``)
     HAS_CHUNK: bool = False   # FA3's attention_chunk: ``score`` carries the chunk as a fifth value
+    FP8: bool = False         # float8_e4m3fn q / caches, converted to fp16 as loaded; ``score`` carries the descales
 
 
 # How many query rows (tokens x GROUP) a tile packs at most; calls with more rows per KV head
@@ -312,6 +313,9 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, kv_strides, lo, hi, tok, len_q, le
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif META.FP8:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         s = scores(tl.dot(q, tl.trans(k)), qk_scale, softcap_log2, SOFTCAP)
         if MASK:
             seen = visible(tok[:, None], offs_n[None, :], len_q, len_k, window_left, window_right,
@@ -347,7 +351,8 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     """Program (split, m tile, batch * nheads_kv + head_kv). Strides: (batch, token, head) of
     q, k, v, o, and (batch, head, token) of lse; ``paging`` (page-table row stride, page size,
     cache blocks); ``sizes`` (nheads_kv, seqlen_q, seqlen_k, total_q, num_splits); ``score``
-    (qk_scale, softcap_log2, window_left, window_right[, attention_chunk under HAS_CHUNK]);
+    (qk_scale, softcap_log2, window_left, window_right[, attention_chunk under HAS_CHUNK or
+    FP8][, Q_DESCALE, K_DESCALE, V_DESCALE, their (batch, head) strides under FP8]);
     ``META`` a ``DecodeMeta``."""
     stride_qb, stride_qm, stride_qh = stride_q
     stride_kb, stride_kn, stride_kh = stride_k
@@ -440,6 +445,15 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    elif META.FP8:
+        q = q.to(tl.float16)
+    v_descale = 1.0
+    if META.FP8:  # (sequence, KV head) descales: q's and k's scale the scores, v's the output
+        ds = score[8]
+        q_descale = tl.load(score[5] + batch.to(tl.int64) * ds[0] + head_kv.to(tl.int64) * ds[1])
+        k_descale = tl.load(score[6] + batch.to(tl.int64) * ds[2] + head_kv.to(tl.int64) * ds[3])
+        v_descale = tl.load(score[7] + batch.to(tl.int64) * ds[4] + head_kv.to(tl.int64) * ds[5])
+        score = (score[0] * q_descale * k_descale, score[1], score[2], score[3], score[4])
     kv_batch = cache_batch(KV_BATCH, batch, num_kv_blocks, HAS_KV_BATCH)
     if PAGED:  # rows found per key block
         k_base = K + head_kv.to(tl.int64) * stride_kh
@@ -466,6 +480,8 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if META.FP8:
+        out = out * v_descale
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     if SPLIT:
         tl.store(LSE_PART + part, lse)
@@ -526,11 +542,12 @@ def decode_combine_kernel(O, LSE, O_PART, LSE_PART, stride_o, stride_lse, cu_seq
                  tl.where(seen, m_use + tl.log(t_safe), float("-inf")))
 
 
-def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int = 0):
+def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int = 0, descale=None):
     """(out, lse) with FlashAttention-3's shapes of q (dense (batch, seqlen_q, nheads, d) or
     packed with ``cu_seqlens_q``) over a KV cache (``problem.CacheAddressing``; dense caches
     too), ``p.max_seqlen_k`` the cache's capacity per sequence, ``seqused_k`` (batch,) int32
-    the keys each sequence has (None: the capacity)."""
+    the keys each sequence has (None: the capacity). ``descale``: fp8 inputs' (q, k, v)
+    descales (``validation.check_descales``), None otherwise."""
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
@@ -563,7 +580,12 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
                       PAGE_BLOCK=page_block(page_size, pl.cfg.block_n, cache_flags["HAS_K_START"]),
                       PAGE_SIZE=static_page_size(page_size), BLOCK_B=longest_first(batch, seqused_k is not None),
                       CHAINED=chain, KV_SAME=shared_offsets(k, v), WIDE_ROWS=wide_rows(page_size, k, v),
-                      HAS_CHUNK=p.chunk > 0)
+                      HAS_CHUNK=p.chunk > 0, FP8=descale is not None)
+    score = (qk_scale, softcap_log2, p.window_left, p.window_right)
+    if p.chunk > 0 or descale is not None:
+        score += (p.chunk,)
+    if descale is not None:
+        score += (*descale, tuple(st for t in descale for st in t.stride()))
     decode_kernel[(pl.splits, pl.m_tiles, batch * nheads_kv)](
         q, k, v, out, lse, o_part, lse_part,
         bshd_strides(q, varlen), bshd_strides(k, False), bshd_strides(v, False),
@@ -571,8 +593,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
         cu_seqlens_q if varlen else dummy, seqused_k if seqused_k is not None else dummy,
         kv_batch, k_start, page_table, tuple(paging),
         (nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits),
-        (qk_scale, softcap_log2, p.window_left, p.window_right) + ((p.chunk,) if p.chunk > 0 else ()),
-        META=meta, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
+        score, META=meta, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
     if split:
         block_s = triton.next_power_of_2(pl.splits)
         chunk = min(block_dv, max(16, 8192 // block_s))  # (an 8K-element tile of shares per program)

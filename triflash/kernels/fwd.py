@@ -18,6 +18,12 @@ without them: ``attention_chunk`` (``HAS_CHUNK``: each row sees only its positio
 keys, ``common.in_chunk``) and ``qv`` (``HAS_QV``: scores q k^T + qv v^T, MLA's absorbed
 form; the qv tile (BLOCK_M x DV) stays in registers beside Q and meets each V tile already
 loaded for P V).
+
+FlashAttention-3's fp8 inputs (``FP8``, float8_e4m3fn q / k / v, forward only): every tile is
+converted to fp16 as it is loaded (exact: e4m3's values are fp16 values), so the products
+run in fp16 with fp32 accumulation and P V takes P in fp16; the per-(sequence, KV head)
+descales (``extras[3:7]``) fold into the score scale (q_descale x k_descale) and the output
+(v_descale); the output is bf16.
 """
 from typing import NamedTuple
 
@@ -51,6 +57,7 @@ class FwdMeta(NamedTuple):
     HAS_CHUNK: bool = False
     HAS_QV: bool = False
     WIDE_ROWS: bool = False  # a Q / O row offset inside a sequence may pass 2^31 elements (``wide_rows``)
+    FP8: bool = False  # float8_e4m3fn inputs, converted to fp16 as loaded; descales in ``extras``
 
 
 @triton.jit
@@ -95,6 +102,9 @@ def _fwd_inner(acc, m_i, l_i, q, qv, k_base, v_base, stride_k, stride_v,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif META.FP8:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         qk = tl.dot(q, tl.trans(k))
         if META.HAS_QV:
             qk = tl.dot(qv, tl.trans(v), qk)
@@ -141,8 +151,10 @@ def flash_fwd_kernel(
     # strides: the (batch, token, head) strides of Q, K, V, O and LSE (problem.bshd_strides,
     # lse_strides); sizes: (nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k);
     # scalars: (qk_scale, softcap_log2, window_left, window_right, section_heads);
-    # paging: (stride_ptb, page_size, num_kv_blocks); extras: () or, under HAS_CHUNK or
-    # HAS_QV, (attention_chunk, QV, (batch, token, head) strides of QV); META: an FwdMeta.
+    # paging: (stride_ptb, page_size, num_kv_blocks); extras: () or, under HAS_CHUNK, HAS_QV
+    # or FP8, (attention_chunk, QV, (batch, token, head) strides of QV), under FP8 followed by
+    # the descales (Q_DESCALE, K_DESCALE, V_DESCALE, their (batch, head) strides as one
+    # 6-tuple); META: an FwdMeta.
     stride_q, stride_k, stride_v, stride_o, stride_lse = strides
     stride_qb, stride_qm, stride_qh = stride_q
     stride_kb, stride_kn, stride_kh = stride_k
@@ -213,6 +225,15 @@ def flash_fwd_kernel(
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    elif META.FP8:
+        q = q.to(tl.float16)
+    v_descale = 1.0
+    if META.FP8:  # (sequence, KV head) descales: q's and k's scale the scores, v's the output
+        ds = extras[6]
+        q_descale = tl.load(extras[3] + batch.to(tl.int64) * ds[0] + head_kv.to(tl.int64) * ds[1])
+        k_descale = tl.load(extras[4] + batch.to(tl.int64) * ds[2] + head_kv.to(tl.int64) * ds[3])
+        v_descale = tl.load(extras[5] + batch.to(tl.int64) * ds[4] + head_kv.to(tl.int64) * ds[5])
+        scalars = (qk_scale * q_descale * k_descale, softcap_log2, window_left, window_right, section_heads)
     qv = q  # (read only under HAS_QV)
     if META.HAS_QV:
         stride_qvb, stride_qvm, stride_qvh = extras[2]
@@ -248,6 +269,8 @@ def flash_fwd_kernel(
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if META.FP8:
+        out = out * v_descale
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
     o_base = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh

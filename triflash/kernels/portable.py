@@ -58,12 +58,13 @@ def wide_rows(max_seqlen_q: int, block_m: int, q, out, varlen: bool) -> bool:
 
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams,
         cfg: FwdConfig, upcast: bool, cache: Optional[CacheAddressing] = None,
-        out: Optional[torch.Tensor] = None, qv: Optional[torch.Tensor] = None):
+        out: Optional[torch.Tensor] = None, qv: Optional[torch.Tensor] = None, descale=None):
     """Returns (out, lse) with FlashAttention-3's shapes. ``cache``: a KV cache's addressing
     (then ``p.max_seqlen_k`` is one sequence's cache capacity, and packed queries come with
     ``cu_seqlens_q`` and no ``cu_seqlens_k``). ``out``: written instead of a new tensor
     (``alloc_fwd_outputs``). ``qv`` (q's layout, headdim_v wide) and ``p.chunk``: FA3's
-    forward-only extras (``fwd.flash_fwd_kernel``'s ``extras``)."""
+    forward-only extras (``fwd.flash_fwd_kernel``'s ``extras``); so is ``descale``, the
+    (q, k, v) descales of fp8 inputs (``validation.check_descales``), None otherwise."""
     s = _seq_args(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p)
     cache_args, cache_flags = (cache or _NO_CACHE).kernel_args(k, q)
     # (KV_BATCH, K_START, PAGE_TABLE) and the kernel's paging (stride_ptb, page_size, num_kv_blocks)
@@ -77,8 +78,10 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
     qk_scale, softcap_log2 = p.score_constants()
     grid = (ceil_div(p.max_seqlen_q, cfg.block_m) * s["batch"] * nheads,)  # (common.launch_order)
     extras = ()
-    if p.chunk > 0 or qv is not None:
+    if p.chunk > 0 or qv is not None or descale is not None:
         extras = (p.chunk, qv if qv is not None else q, bshd_strides(qv if qv is not None else q, varlen))
+    if descale is not None:
+        extras += (*descale, tuple(st for t in descale for st in t.stride()))
     flash_fwd_kernel[grid](
         q, k, v, out, lse,
         (bshd_strides(q, varlen), bshd_strides(k, k_varlen), bshd_strides(v, k_varlen),
@@ -88,7 +91,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         *cache_ptrs, cache_paging, extras,
         FwdMeta(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
                 **cache_flags, DENSE_K=varlen and not k_varlen, HAS_CHUNK=p.chunk > 0, HAS_QV=qv is not None,
-                WIDE_ROWS=wide_rows(p.max_seqlen_q, cfg.block_m, q, out, varlen)),
+                FP8=descale is not None, WIDE_ROWS=wide_rows(p.max_seqlen_q, cfg.block_m, q, out, varlen)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

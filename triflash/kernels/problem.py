@@ -26,21 +26,28 @@ def alloc_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def out_dtype(dtype):
+    """The output dtype of inputs of ``dtype``: theirs, bf16 for fp8 (FA3's rule)."""
+    return torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+
+
 def alloc_fwd_outputs(q, v, varlen, out=None):
     """(out, lse) of a forward, FA3's shapes. Varlen: tokens no sequence covers (cu_seqlens
     gaps, padding, past seqused) read as empty rows (0, lse -inf), so they start that way.
     A given ``out`` (any strides with a contiguous last dim, e.g. a (batch, seqlen, heads,
-    dim) view of SDPA's (batch, heads, seqlen, dim) buffer) is used instead of a new one."""
+    dim) view of SDPA's (batch, heads, seqlen, dim) buffer) is used instead of a new one.
+    fp8 inputs give a bf16 output (``out_dtype``), as FA3's."""
     out_shape = q.shape[:-1] + (v.shape[-1],)
+    dtype = out_dtype(q.dtype)
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     if varlen:
         if out is None:
-            out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+            out = torch.zeros(out_shape, dtype=dtype, device=q.device)
         else:
             out.zero_()
         return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     if out is None:
-        out = alloc_output(out_shape, q.dtype, q.device)
+        out = alloc_output(out_shape, dtype, q.device)
     elif POISON:
         out.fill_(float("nan"))
     return out, alloc_output(lse_shape, torch.float32, q.device)
