@@ -325,3 +325,29 @@ def test_fp8_through_fa3_operator():
     assert res[0].dtype == torch.bfloat16 and torch.equal(res[0], out) and torch.equal(res[1], lse)
     assert torch.library.opcheck(torch.ops.flash_attn_3.fwd.default, (q, k, v), {},
                                  test_utils=("test_faketensor",)) == {"test_faketensor": "SUCCESS"}
+
+
+def test_fp8_serving_engine_decode_call():
+    # a serving engine's fp8 decoding step as it calls FA3: packed queries cast to fp8, a
+    # cache of pages of 1 token, cu_seqlens_k_new without new keys (ignored, as in FA3),
+    # expanded per-layer k / v scales, no q scale
+    b, h, hk, d, pages = 3, 8, 2, 128, 400
+    lens = [37, 120, 1]
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=DEVICE)
+    q = rnd8(b, h, d, seed=44)
+    k_pool, v_pool = rnd8(pages, 1, hk, d, seed=45), rnd8(pages, 1, hk, d, seed=46)
+    g = torch.Generator().manual_seed(47)
+    table = torch.randperm(pages, generator=g)[:b * 128].view(b, 128).to(torch.int32).to(DEVICE)
+    kd = torch.tensor(0.8, device=DEVICE).expand(b, hk)
+    vd = torch.tensor(1.7, device=DEVICE).expand(b, hk)
+    out = triflash.flash_attn_with_kvcache(q, k_pool, v_pool, page_table=table,
+                                           cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                           cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_q, max_seqlen_q=1,
+                                           softmax_scale=d ** -0.5, causal=True, window_size=(-1, -1), softcap=0.0,
+                                           k_descale=kd, v_descale=vd, return_softmax_lse=True)
+    out, lse = out[0], out[1]
+    assert out.shape == (b, h, d) and out.dtype == torch.bfloat16 and lse.shape == (h, b)
+    for i, n in enumerate(lens):
+        rows = table[i, :n].long()
+        check(out[None, i:i + 1], lse[None, :, i:i + 1], q[None, i:i + 1], k_pool[rows, 0][None], v_pool[rows, 0][None],
+              None, kd[i:i + 1], vd[i:i + 1], causal=True)
