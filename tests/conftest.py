@@ -111,3 +111,21 @@ def _poison_outputs():
     problem.POISON = True
     yield
     problem.POISON = False
+
+
+def sm90_compile_in_subprocess(code):
+    """Run ``code`` (a script that compiles launches for sm_90a and prints one JSON line last)
+    in a Python of its own without the interpreter, from the repo root; skip where the sm_90a
+    toolchain is missing. Returns the JSON line's value."""
+    import json
+    import subprocess
+    import sys
+    R = pytest.importorskip("tools.sm90_report")
+    problem = R.toolchain_problem()
+    if problem:
+        pytest.skip(f"sm_90a toolchain unavailable: {problem}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

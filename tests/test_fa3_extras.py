@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import triflash
-from triflash.testing import assert_forward_matches, attention_ref, attention_varlen_ref
+from triflash.testing import assert_forward_matches, attention_ref, attention_varlen_ref, reversed_pages
 
-from conftest import DEVICE
+from conftest import DEVICE, sm90_compile_in_subprocess
 
 ON_GPU = DEVICE == "cuda"
 SCALE = 8 if ON_GPU else 1
@@ -117,10 +117,7 @@ def test_chunk_kvcache(seqlen_q, paged):
               cache_leftpad=torch.tensor(starts, dtype=torch.int32, device=DEVICE))
     kc, vc = k_cache, v_cache
     if paged:  # the same rows, pages in reverse order
-        pages = cap // page
-        kc = k_cache.reshape(b * pages, page, hk, d).flip(0).contiguous()
-        vc = v_cache.reshape(b * pages, page, hk, d).flip(0).contiguous()
-        kw["page_table"] = (b * pages - 1 - torch.arange(b * pages, device=DEVICE)).to(torch.int32).reshape(b, pages)
+        kc, vc, kw["page_table"] = reversed_pages(k_cache, v_cache, page)
     for causal in (True, False):
         out, lse, *_ = triflash.flash_attn_with_kvcache(q, kc, vc, causal=causal, attention_chunk=chunk,
                                                         return_softmax_lse=True, num_splits=3 if seqlen_q == 1 else 0,
@@ -232,17 +229,5 @@ def test_extras_forward_fits_sm90(args):
     """The portable forward's launches with the extras, and with 64-bit rows (a sequence of
     131073 x 128 heads x 128: ``portable.wide_rows``), compile for sm_90a within Hopper's
     shared memory (the decode kernel's forms with the extras: tools/decode_compile.py EXTRAS)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    R = pytest.importorskip("tools.sm90_report")
-    problem_ = R.toolchain_problem()
-    if problem_:
-        pytest.skip(f"sm_90a toolchain unavailable: {problem_}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE.format(args=args)], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = sm90_compile_in_subprocess(_COMPILE.format(args=args))
     assert r["shared"] <= 232448, r

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import triflash
-from triflash.testing import assert_forward_matches, attention_ref
+from triflash.testing import assert_forward_matches, attention_ref, reversed_pages
 
-from conftest import DEVICE
+from conftest import DEVICE, sm90_compile_in_subprocess
 
 ON_GPU = DEVICE == "cuda"
 SCALE = 8 if ON_GPU else 1
@@ -149,10 +149,7 @@ def test_fp8_kvcache(seqlen_q, paged):
     kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE))
     kc, vc = k_cache, v_cache
     if paged:  # the same rows, pages in reverse order
-        pages = cap // page
-        kc = k_cache.reshape(b * pages, page, hk, d).flip(0).contiguous()
-        vc = v_cache.reshape(b * pages, page, hk, d).flip(0).contiguous()
-        kw["page_table"] = (b * pages - 1 - torch.arange(b * pages, device=DEVICE)).to(torch.int32).reshape(b, pages)
+        kc, vc, kw["page_table"] = reversed_pages(k_cache, v_cache, page)
     for causal, splits in ((True, 3), (False, 0)):
         out, lse, *_ = triflash.flash_attn_with_kvcache(q, kc, vc, causal=causal, q_descale=qd, k_descale=kd,
                                                         v_descale=vd, num_splits=splits, return_softmax_lse=True,
@@ -295,19 +292,7 @@ def test_fp8_fits_sm90(args):
     """The fp8 launches (portable forward, decode kernel) compile for sm_90a within Hopper's
     shared memory; the forward without spills, the decode kernel with at most 8 B (the
     unsplit paged form at batch 2 keeps 8 B; its bf16 twin none)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    R = pytest.importorskip("tools.sm90_report")
-    problem_ = R.toolchain_problem()
-    if problem_:
-        pytest.skip(f"sm_90a toolchain unavailable: {problem_}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE.format(args=args)], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = sm90_compile_in_subprocess(_COMPILE.format(args=args))
     assert r["shared"] <= 232448 and r["spills"] <= (0 if args[0] == "fwd" else 8), r
 
 

@@ -95,6 +95,17 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=None, se
     return out, lse
 
 
+def reversed_pages(k_cache, v_cache, page):
+    """A dense cache (batch, seqlen, heads, dim) as a paged one holding the same rows: blocks
+    (batch * seqlen / page, page, heads, dim) in reverse order, and the (batch, pages) int32
+    page table that finds them. Returns (k_blocks, v_blocks, page_table)."""
+    b, n = k_cache.shape[:2]
+    pages = n // page
+    blocks = [c.reshape(b * pages, page, *c.shape[2:]).flip(0).contiguous() for c in (k_cache, v_cache)]
+    table = (b * pages - 1 - torch.arange(b * pages, device=k_cache.device)).to(torch.int32).reshape(b, pages)
+    return blocks[0], blocks[1], table
+
+
 def max_err(a, b):
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 

@@ -440,6 +440,19 @@ def scores(qk, qk_scale_log2, softcap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def fp8_descales(descales, batch, head_kv):
+    """FlashAttention-3's fp8 descales of one (sequence, KV head): ``descales`` is (Q_DESCALE,
+    K_DESCALE, V_DESCALE, their (batch, head) strides as one 6-tuple). Returns (q_descale x
+    k_descale, which scales the scores, and v_descale, which scales the output)."""
+    ds = descales[3]
+    b, h = batch.to(tl.int64), head_kv.to(tl.int64)
+    q_descale = tl.load(descales[0] + b * ds[0] + h * ds[1])
+    k_descale = tl.load(descales[1] + b * ds[2] + h * ds[3])
+    v_descale = tl.load(descales[2] + b * ds[4] + h * ds[5])
+    return q_descale * k_descale, v_descale
+
+
+@triton.jit
 def softmax_step(acc, m_i, l_i, s, v):
     """One key block of the online softmax: scores ``s`` (log2 domain, -inf where masked),
     values ``v``; a row that has seen no key yet keeps m = -inf and adds nothing (never NaN).

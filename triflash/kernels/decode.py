@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (cache_batch, ceil_div, chunk_start, in_chunk, page_block_of, page_entries, scores,
-                     seqlen_info, softmax_step, to_output, visible)
+from .common import (cache_batch, ceil_div, chunk_start, fp8_descales, in_chunk, page_block_of, page_entries,
+                     scores, seqlen_info, softmax_step, to_output, visible)
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
@@ -449,11 +449,8 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
         q = q.to(tl.float16)
     v_descale = 1.0
     if META.FP8:  # (sequence, KV head) descales: q's and k's scale the scores, v's the output
-        ds = score[8]
-        q_descale = tl.load(score[5] + batch.to(tl.int64) * ds[0] + head_kv.to(tl.int64) * ds[1])
-        k_descale = tl.load(score[6] + batch.to(tl.int64) * ds[2] + head_kv.to(tl.int64) * ds[3])
-        v_descale = tl.load(score[7] + batch.to(tl.int64) * ds[4] + head_kv.to(tl.int64) * ds[5])
-        score = (score[0] * q_descale * k_descale, score[1], score[2], score[3], score[4])
+        qk_descale, v_descale = fp8_descales(score[5:], batch, head_kv)
+        score = (score[0] * qk_descale, score[1], score[2], score[3], score[4])
     kv_batch = cache_batch(KV_BATCH, batch, num_kv_blocks, HAS_KV_BATCH)
     if PAGED:  # rows found per key block
         k_base = K + head_kv.to(tl.int64) * stride_kh

@@ -30,8 +30,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .common import (cache_batch, chunk_block_range, in_chunk, launch_order, n_block_range, paged_rows,
-                     scores, seqlen_info, softmax_step, to_output, visible)
+from .common import (cache_batch, chunk_block_range, fp8_descales, in_chunk, launch_order, n_block_range,
+                     paged_rows, scores, seqlen_info, softmax_step, to_output, visible)
 
 
 class FwdMeta(NamedTuple):
@@ -229,11 +229,8 @@ def flash_fwd_kernel(
         q = q.to(tl.float16)
     v_descale = 1.0
     if META.FP8:  # (sequence, KV head) descales: q's and k's scale the scores, v's the output
-        ds = extras[6]
-        q_descale = tl.load(extras[3] + batch.to(tl.int64) * ds[0] + head_kv.to(tl.int64) * ds[1])
-        k_descale = tl.load(extras[4] + batch.to(tl.int64) * ds[2] + head_kv.to(tl.int64) * ds[3])
-        v_descale = tl.load(extras[5] + batch.to(tl.int64) * ds[4] + head_kv.to(tl.int64) * ds[5])
-        scalars = (qk_scale * q_descale * k_descale, softcap_log2, window_left, window_right, section_heads)
+        qk_descale, v_descale = fp8_descales(extras[3:], batch, head_kv)
+        scalars = (qk_scale * qk_descale, softcap_log2, window_left, window_right, section_heads)
     qv = q  # (read only under HAS_QV)
     if META.HAS_QV:
         stride_qvb, stride_qvm, stride_qvh = extras[2]
