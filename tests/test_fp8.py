@@ -284,10 +284,11 @@ print(json.dumps(dict(shared=r["shared"], spills=r["spill_stores"] + r["spill_lo
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("args", [("fwd", 128, 4096, 16, 4, 0, 0), ("fwd", 256, 4096, 8, 8, 0, 0),
+@pytest.mark.parametrize("args", [("fwd", 64, 4096, 16, 4, 0, 0), ("fwd", 128, 4096, 16, 4, 0, 0),
+                                  ("fwd", 256, 4096, 8, 8, 0, 0),
                                   ("decode", 128, 8192, 32, 8, 0, 1), ("decode", 128, 8192, 32, 8, 64, 1),
                                   ("decode", 128, 8192, 32, 8, 0, 8)],
-                         ids=["fwd-d128", "fwd-d256", "decode-dense", "decode-paged64", "decode-split"])
+                         ids=["fwd-d64", "fwd-d128", "fwd-d256", "decode-dense", "decode-paged64", "decode-split"])
 def test_fp8_fits_sm90(args):
     """The fp8 launches (portable forward, decode kernel) compile for sm_90a within Hopper's
     shared memory; the forward without spills, the decode kernel with at most 8 B (the
