@@ -20,6 +20,10 @@ What one case does, as FA3's does:
   with a row per cache row, GPT-J (interleaved) or GPT-NeoX pairs, new keys at positions
   cache_seqlens + i, queries likewise when causal or local, else all at cache_seqlens;
 * local: window_size drawn as FA3 draws it, a 2-element integer tensor in [0, seqlen_k);
+* fp8 (e4m3) as FA3 draws it (its grid runs each case in bf16 and in fp8, no descales): q, the
+  caches, the new keys and the rotary tables in fp8, the output bf16; the rotated keys within
+  FA3's fp8 tolerance (0.1); "the same computation in the input dtype" is the reference in
+  bf16 on the fp8 values (the kernels compute in fp16 on them);
 * causal / local: FA3 also runs each case with an ``attention_chunk`` drawn in [1, 2 x
   seqlen_k) (chunked local attention); here a case of its own, the chunk drawn from the case;
 * each call (FA3's num_splits 1 / 3 / 0, without and with get_scheduler_metadata, that
@@ -32,15 +36,14 @@ What one case does, as FA3's does:
 
 Pruned from FA3's grid, with the reason:
 
-* fp8 (e4m3) inputs: tests/test_fp8.py tests them (caches, appends, rotary, descales), and
-  samples of FA3's own file ran its fp8 kvcache cases (docs/performance.md);
 * ``qv``: FA3's grid draws it only for d = 64 with dv >= 256; its kvcache grid has d = 128,
   dv = 128, so it never does (tests/test_fa3_extras.py tests qv, MLA's decode included);
 * has_rotary_seqlens: FA3's grid runs only False (True is commented out there); kept so;
 * exact duplicates run once: rotary_interleaved without rotary, and the seqlen_new choice
   without new keys, change nothing in what is computed.
 
-On the GPU the remaining grid (47,520 cases, 19,008 of them with an attention_chunk) runs at
+On the GPU the remaining grid (95,040 cases: 47,520 each in bf16 and fp8, 38,016 with an
+attention_chunk) runs at
 FA3's sizes (batch 5, 6 heads, d 128, seqlen pairs 1 x 128 .. 2048 x 3577 and 16 x 20000, page
 sizes None / 1 / 4 / 128): whole with ``TRIFLASH_FA3_KVCACHE_GRID=full``, else a fixed sample
 of 256 of its cases (seed 0) in the default suite. On the CPU (Triton's interpreter) a
@@ -64,6 +67,7 @@ from triflash.testing import assert_forward_matches, attention_ref, max_err
 
 ON_GPU = DEVICE == "cuda"
 I32 = dict(dtype=torch.int32, device=DEVICE)
+F8 = torch.float8_e4m3fn
 MASKS = {"none": (False, False), "causal": (True, False), "local": (False, True)}  # (causal, local)
 HEADS = {"mha": lambda h: h, "mqa": lambda h: 1, "gqa": lambda h: h // 2}  # FA3: 6 -> 6 / 1 / 3
 
@@ -83,7 +87,7 @@ class Case(NamedTuple):
     rotary_fraction: float
     rotary_interleaved: bool
     runs: tuple  # (num_splits, precomputed scheduler metadata) per call
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.bfloat16  # (FA3's grid: bf16 and fp8 e4m3)
     chunk: int = 0  # attention_chunk
 
     def id(self):
@@ -110,7 +114,7 @@ FA3_SEQLENS = [(1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (6
 
 
 def _fa3_grid():
-    """FA3's grid (bf16; d 128), its skips applied, exact duplicates dropped (docstring)."""
+    """FA3's grid (bf16 and fp8; d 128), its skips applied, exact duplicates dropped (docstring)."""
     cases = []
     for ((sq, sk), varlen_q, batch_idx, leftpad, page, rot, inter, new_eq, mask, new_kv, mha) in itertools.product(
             FA3_SEQLENS, (False, True), (False, True), (False, True), (None, 1, 4, 128), (0.0, 0.5, 1.0),
@@ -123,12 +127,13 @@ def _fa3_grid():
             continue
         if (rot == 0.0 and inter) or (not new_kv and not new_eq):
             continue  # the same computation as another case
-        case = Case(sq, sk, 128, mha, mask, new_kv, new_eq, page, batch_idx, leftpad, varlen_q, rot, inter,
-                    FA3_RUNS)
-        cases.append(case)
-        if mask != "none":  # FA3's attention_chunk draw, randint(1, 2 * seqlen_k), fixed per case
-            chunk = random.Random(zlib.crc32(case.id().encode())).randrange(1, 2 * sk)
-            cases.append(case._replace(chunk=chunk))
+        for dtype in (torch.bfloat16, F8):
+            case = Case(sq, sk, 128, mha, mask, new_kv, new_eq, page, batch_idx, leftpad, varlen_q, rot, inter,
+                        FA3_RUNS, dtype)
+            cases.append(case)
+            if mask != "none":  # FA3's attention_chunk draw, randint(1, 2 * seqlen_k), fixed per case
+                chunk = random.Random(zlib.crc32(case.id().encode())).randrange(1, 2 * sk)
+                cases.append(case._replace(chunk=chunk))
     return cases
 
 
@@ -163,8 +168,16 @@ def _cpu_grid():
         C(3, 128, 64, "gqa", "causal", True, True, 4, True, True, False, 0.5, False, ((3, False),), chunk=20),
         C(4, 96, 64, "mha", "local", False, True, None, False, False, True, 0.0, False, ((0, False),), chunk=37),
         C(40, 96, 64, "gqa", "causal", True, False, None, False, True, False, 0.0, False, ((0, False),), chunk=16),
-        # fp16 (FA3's kvcache grid is bf16 only; one case keeps the other 16-bit type honest)
+        # fp16 (FA3's kvcache grid is bf16 and fp8; one case keeps the other 16-bit type honest)
         C(2, 64, 128, "gqa", "causal", True, True, 4, True, True, True, 0.5, True, ((3, False),), torch.float16),
+        # fp8: the decode kernel (dense, paged, split, varlen, rotary, chunk) and the prefill
+        C(1, 64, 128, "mqa", "causal", True, True, 1, False, False, False, 1.0, False, ((0, False),), F8),
+        C(3, 48, 64, "gqa", "local", True, False, 4, True, True, False, 0.5, True, ((3, False),), F8),
+        C(6, 48, 64, "mha", "none", True, False, None, True, True, True, 0.0, False, ((1, True),), F8),
+        C(3, 128, 64, "gqa", "causal", False, True, 128, False, True, True, 0.0, False, ((3, False),), F8,
+          chunk=20),
+        C(40, 96, 64, "gqa", "causal", True, True, None, False, True, False, 1.0, True, ((0, False),), F8),
+        C(24, 64, 64, "mqa", "none", True, True, 4, True, False, True, 0.5, False, ((0, False),), F8),
     ]
 
 
@@ -304,12 +317,13 @@ def test_flash_attn_kvcache(case):
     # the fp32 reference and the same computation in the input dtype, sequence by sequence
     # over keys leftpad .. cache_seqlens + new - 1, flattened in the kernel's output order
     kw = dict(causal=causal, window_size=window_ref, attention_chunk=c.chunk)
+    low = (lambda t: t.bfloat16()) if dtype == F8 else (lambda t: t)  # (fp8: on its values in bf16, the output's dtype)
     refs, lse_refs, lowps = [], [], []
     for b in range(batch):
         start, end, n = (int(leftpad[b]) if leftpad is not None else 0), seqlens[b] + new_lens[b], q_lens[b]
         qb, kb, vb = q_ro[b:b + 1, :n], k_ref[b:b + 1, start:end], v_ref[b:b + 1, start:end]
-        ref, lse_ref = attention_ref(qb, kb, vb, **kw)
-        lowp, _ = attention_ref(qb, kb, vb, upcast=False, **kw)
+        ref, lse_ref = attention_ref(low(qb), low(kb), low(vb), **kw)
+        lowp, _ = attention_ref(low(qb), low(kb), low(vb), upcast=False, **kw)
         refs.append(ref[0].flatten())
         lse_refs.append(lse_ref[0].flatten())
         lowps.append(lowp[0].flatten())
@@ -352,8 +366,9 @@ def test_flash_attn_kvcache(case):
                 assert torch.equal(v_cache[where], v_rows), "v_cache: the new values, in place"
                 if rotary_dim == 0:
                     assert torch.equal(k_cache[where], k_rows), "k_cache: the new keys, in place"
-                else:  # FA3's check of the rotated keys
-                    assert torch.allclose(k_cache[where].float(), k_rows.float(), rtol=1e-3, atol=1e-3), \
+                else:  # FA3's check of the rotated keys (fp8: its 0.1)
+                    tol = 1e-1 if dtype == F8 else 1e-3
+                    assert torch.allclose(k_cache[where].float(), k_rows.float(), rtol=tol, atol=tol), \
                         f"k_cache: the rotated new keys, max error {max_err(k_cache[where], k_rows)}"
                 k_cache[where], v_cache[where] = k_old, v_old
             assert torch.equal(k_cache, k_saved) and torch.equal(v_cache, v_saved), \
@@ -367,7 +382,7 @@ def test_flash_attn_kvcache(case):
             else:
                 assert out.shape == (batch, sq, nheads, dv) and lse.shape == (batch, nheads, sq)
                 outs, lses = list(out), list(lse)
-            assert out.dtype == dtype and lse.dtype == torch.float32
+            assert out.dtype == (torch.bfloat16 if dtype == F8 else dtype) and lse.dtype == torch.float32
             out_flat = torch.cat([o.flatten() for o in outs])
             lse_flat = torch.cat([x.flatten() for x in lses])
             where_split = f"num_splits={num_splits}, metadata={precompute}"
