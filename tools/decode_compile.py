@@ -25,9 +25,16 @@ FORMS = {
     "d256-split": (1, 65536, 16, 1, 256, 256, 1, True, -1),
     "d128-chunk": (64, 8192, 32, 8, 128, None, 1, True, -1),
     "mla-paged64": (64, 8192, 16, 1, 64, 64, 1, True, -1),
+    "d128-dense-fp8": (64, 8192, 32, 8, 128, None, 1, True, -1),
+    "d128-paged64-fp8": (64, 8192, 32, 8, 128, 64, 1, True, -1),
+    "d128-paged1-fp8": (2, 8192, 32, 8, 128, 1, 1, True, -1),
+    "d128-split-fp8": (1, 131072, 32, 8, 128, None, 1, True, -1),
+    "d256-dense-fp8": (32, 8192, 16, 2, 256, None, 1, True, -1),
 }
-# FA3's extras of a form: attention_chunk, headdim_v (MLA: 64 / 512)
-EXTRAS = {"d128-chunk": dict(chunk=2048), "mla-paged64": dict(headdim_v=512)}
+# FA3's extras of a form: attention_chunk, headdim_v (MLA: 64 / 512), fp8 (e4m3 q and caches,
+# expanded descales as serving engines pass them)
+EXTRAS = {"d128-chunk": dict(chunk=2048), "mla-paged64": dict(headdim_v=512),
+          **{form: dict(fp8=True) for form in FORMS if form.endswith("-fp8")}}
 
 
 def launches(form):
@@ -36,8 +43,12 @@ def launches(form):
     from tools.sm90_report import _recording
     from triflash.kernels import decode, problem
     b, n, hq, hk, d, page, sq, causal, window = FORMS[form]
-    dv, chunk = EXTRAS.get(form, {}).get("headdim_v", d), EXTRAS.get(form, {}).get("chunk", 0)
-    meta = dict(device="meta", dtype=torch.bfloat16)
+    extras = EXTRAS.get(form, {})
+    dv, chunk = extras.get("headdim_v", d), extras.get("chunk", 0)
+    meta = dict(device="meta", dtype=torch.float8_e4m3fn if extras.get("fp8") else torch.bfloat16)
+    descale = None
+    if extras.get("fp8"):
+        descale = tuple(torch.empty((), device="meta", dtype=torch.float32).expand(b, hk) for _ in range(3))
     i32 = dict(device="meta", dtype=torch.int32)
     q = torch.empty(b, sq, hq, d, **meta)
     if page:
@@ -56,7 +67,7 @@ def launches(form):
     decode._num_sms = lambda device: 132
     try:
         with _recording() as log:
-            decode.fwd(q, k, v, None, torch.empty(b, **i32), cache, p, "sm90")
+            decode.fwd(q, k, v, None, torch.empty(b, **i32), cache, p, "sm90", descale=descale)
     finally:
         decode._num_sms = orig
     return list(log)
