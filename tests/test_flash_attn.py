@@ -96,6 +96,33 @@ def test_deterministic_matches_and_reproduces(dtype, d):
         assert torch.equal(a, b), "deterministic backward is not bitwise reproducible"
 
 
+@pytest.mark.parametrize("d", [1, 59, 111, 250])
+def test_head_dims_not_multiples_of_8(d):
+    """Any head dim from 1 to 256 (FA2's range; FA3 takes multiples of 8): the portable
+    kernels compute it on the next power-of-two tile width with a masked head-dim axis,
+    rows not 16-byte aligned. Forward and backward (both dQ paths), varlen, and a decoding
+    step with new keys appended."""
+    sq, sk = (113, 203) if not ON_GPU else (1023, 2049)
+    check_attention(BATCH, sq, sk, 4, 2, d, torch.bfloat16, True, (-1, -1), 0.0, deterministic=d % 2 == 1)
+    check_attention(BATCH, sk, sq, 4, 1, d, torch.float16, False, (40, 7), 0.0, dv=max(1, d - 2))
+    lens = [37, 1, 90]
+    cu = torch.tensor([0, 37, 38, 128], dtype=torch.int32, device=DEVICE)
+    q, k, v = (x.detach()[0, :128].reshape(128, *x.shape[2:]) for x in _inputs(1, 128, 128, 4, 2, d, d, torch.float16, 3))
+    out = triflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    for i in range(3):
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        ref, _ = attention_ref(q[None, s], k[None, s], v[None, s], causal=True)
+        low, _ = attention_ref(q[None, s], k[None, s], v[None, s], causal=True, upcast=False)
+        assert max_err(out[None, s], ref) <= fa_tolerance(ref, low)
+    k_cache, v_cache = (x.detach().clone() for x in _inputs(2, 150, 150, 2, 2, d, d, torch.float16, 4)[1:])
+    q1, k1, v1 = (x.detach() for x in _inputs(2, 1, 1, 8, 2, d, d, torch.float16, 5))
+    out = triflash.flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=100, causal=True)
+    assert torch.equal(k_cache[:, 100], k1[:, 0]) and torch.equal(v_cache[:, 100], v1[:, 0])
+    ref, _ = attention_ref(q1, k_cache[:, :101], v_cache[:, :101], causal=True)
+    low, _ = attention_ref(q1, k_cache[:, :101], v_cache[:, :101], causal=True, upcast=False)
+    assert max_err(out, ref) <= fa_tolerance(ref, low)
+
+
 def test_seqlen_k_zero():
     q, k, v = _inputs(2, 5, 0, 2, 2, 16, 16, torch.float16)
     out, lse = triflash.flash_attn_func(q, k, v, return_attn_probs=True)

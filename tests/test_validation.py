@@ -35,12 +35,12 @@ def test_wrong_rank():
         triflash.flash_attn_func(q[0], k, v)
 
 
-@pytest.mark.parametrize("d", [12, 264, 0])
+@pytest.mark.parametrize("d", [264, 0])
 def test_bad_headdim(d):
     q, k, v = qkv(d=max(d, 1) if d else 16)
     if d == 0:
         q, k, v = q[..., :0], k[..., :0], v[..., :0]
-    with expect(ValueError, "head dim", str(d), "multiple of 8"):
+    with expect(ValueError, "head dim", str(d), "expected 1 to 256"):
         triflash.flash_attn_func(q, k, v)
 
 

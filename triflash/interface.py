@@ -82,8 +82,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """Attention over dense batches: softmax(q k^T * softmax_scale) v per head.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
-    v: (batch, seqlen_k, nheads_kv, headdim_v). fp16 or bf16, head dims multiples of 8 up
-    to 256, CUDA tensors (or CPU tensors under Triton's interpreter: TRITON_INTERPRET=1 set
+    v: (batch, seqlen_k, nheads_kv, headdim_v). fp16 or bf16, head dims 1 to 256 (FA3 takes
+    multiples of 8), CUDA tensors (or CPU tensors under Triton's interpreter: TRITON_INTERPRET=1 set
     before ``import triflash``; slow, for tests). GQA / MQA: query head h uses KV head
     h // (nheads // nheads_kv).
 
