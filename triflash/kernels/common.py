@@ -440,6 +440,24 @@ def scores(qk, qk_scale_log2, softcap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def cache_bases(K, V, kv_batch, head_kv, first_key, stride_k, stride_v, PAGED: tl.constexpr):
+    """(K, V) pointers of one (sequence, KV head)'s keys, ``stride_k`` / ``stride_v`` the
+    (batch, token, head) strides: in a paged cache the head alone (each key block finds its
+    rows through the page table), else also the cache batch and the first key, in 64 bits."""
+    stride_kb, stride_kn, stride_kh = stride_k
+    stride_vb, stride_vn, stride_vh = stride_v
+    if PAGED:
+        k_base = K + head_kv.to(tl.int64) * stride_kh
+        v_base = V + head_kv.to(tl.int64) * stride_vh
+    else:
+        k_base = (K + kv_batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+                  + first_key.to(tl.int64) * stride_kn)
+        v_base = (V + kv_batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+                  + first_key.to(tl.int64) * stride_vn)
+    return k_base, v_base
+
+
+@triton.jit
 def fp8_descales(descales, batch, head_kv):
     """FlashAttention-3's fp8 descales of one (sequence, KV head): ``descales`` is (Q_DESCALE,
     K_DESCALE, V_DESCALE, their (batch, head) strides as one 6-tuple). Returns (q_descale x

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (cache_batch, ceil_div, chunk_start, fp8_descales, in_chunk, page_block_of, page_entries,
+from .common import (cache_bases, cache_batch, ceil_div, chunk_start, fp8_descales, in_chunk, page_block_of, page_entries,
                      scores, seqlen_info, softmax_step, to_output, visible)
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
@@ -355,8 +355,8 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
     FP8][, Q_DESCALE, K_DESCALE, V_DESCALE, their (batch, head) strides under FP8]);
     ``META`` a ``DecodeMeta``."""
     stride_qb, stride_qm, stride_qh = stride_q
-    stride_kb, stride_kn, stride_kh = stride_k
-    stride_vb, stride_vn, stride_vh = stride_v
+    stride_kb, stride_kn, _ = stride_k
+    stride_vb, stride_vn, _ = stride_v
     stride_ob, stride_om, stride_oh = stride_o
     stride_lseb, stride_lseh, stride_lsem = stride_lse
     nheads_kv, seqlen_q, seqlen_k, total_q, num_splits = sizes
@@ -452,14 +452,7 @@ def decode_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, stride_q, stride_k, stride_
         qk_descale, v_descale = fp8_descales(score[5:], batch, head_kv)
         score = (score[0] * qk_descale, score[1], score[2], score[3], score[4])
     kv_batch = cache_batch(KV_BATCH, batch, num_kv_blocks, HAS_KV_BATCH)
-    if PAGED:  # rows found per key block
-        k_base = K + head_kv.to(tl.int64) * stride_kh
-        v_base = V + head_kv.to(tl.int64) * stride_vh
-    else:
-        k_base = (K + kv_batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-                  + k_first.to(tl.int64) * stride_kn)
-        v_base = (V + kv_batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
-                  + k_first.to(tl.int64) * stride_vn)
+    k_base, v_base = cache_bases(K, V, kv_batch, head_kv, k_first, stride_k, stride_v, PAGED)
     page_row = PAGE_TABLE + batch.to(tl.int64) * stride_ptb
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .common import (cache_batch, chunk_block_range, fp8_descales, in_chunk, launch_order, n_block_range,
+from .common import (cache_bases, cache_batch, chunk_block_range, fp8_descales, in_chunk, launch_order, n_block_range,
                      paged_rows, scores, seqlen_info, softmax_step, to_output, visible)
 
 
@@ -157,8 +157,6 @@ def flash_fwd_kernel(
     # 6-tuple); META: an FwdMeta.
     stride_q, stride_k, stride_v, stride_o, stride_lse = strides
     stride_qb, stride_qm, stride_qh = stride_q
-    stride_kb, stride_kn, stride_kh = stride_k
-    stride_vb, stride_vn, stride_vh = stride_v
     stride_ob, stride_om, stride_oh = stride_o
     stride_lseb, stride_lseh, stride_lsem = stride_lse
     nheads, nheads_kv, seqlen_q, seqlen_k, total_q, total_k = sizes
@@ -212,14 +210,7 @@ def flash_fwd_kernel(
         block_rows = offs_m
     q_base = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
               + first_row.to(tl.int64) * stride_qm)
-    if PAGED:  # rows found per key block (_paged_rows)
-        k_base = K + head_kv.to(tl.int64) * stride_kh
-        v_base = V + head_kv.to(tl.int64) * stride_vh
-    else:
-        k_base = (K + kv_batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-                  + start_k.to(tl.int64) * stride_kn)
-        v_base = (V + kv_batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
-                  + start_k.to(tl.int64) * stride_vn)
+    k_base, v_base = cache_bases(K, V, kv_batch, head_kv, start_k, stride_k, stride_v, PAGED)
     page_row = PAGE_TABLE + batch.to(tl.int64) * stride_ptb
     q = tl.load(q_base + block_rows[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEADDIM), other=0.0)
