@@ -262,7 +262,8 @@ SM90_FWD = {
 # fp8 inputs (their tiles converted to fp16 in registers), tiles picked by their sm_90a
 # compile (tests/test_fp8.py), not timed against each other: at 64 the bf16 tile (128, 128, 4,
 # 3) spills 240 B with the conversions (888 B under softcap), 8 warps none; at 256 the bf16
-# tile (128, 64, 8, 2) spills 708 B (bf16: 136 B), (128, 32, 8, 2) none
+# tile (128, 64, 8, 2) spills 708 B (bf16: 136 B), (128, 32, 8, 2) none (24-32 B under triton 3.8;
+# with one stage none, but unpipelined)
 SM90_FP8_FWD = {
     64: FwdConfig(128, 128, 8, 3),
     256: FwdConfig(128, 32, 8, 2),

@@ -87,7 +87,8 @@ MIN_BLOCKS_PER_SPLIT = 4
 MAX_ORDERED_BATCH = 128
 
 
-def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split: bool = True) -> DecodeConfig:
+def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split: bool = True,
+           fp8: bool = False) -> DecodeConfig:
     """The tile of a decode launch over a cache with pages of ``page_size`` rows (0: dense);
     ``split``: the plan cuts the tiles' keys into shares. Pages that hold whole 128-key blocks
     (``page_block``) and, unsplit at head dim 128, pages of a power-of-two size (its divisions
@@ -116,8 +117,11 @@ def config(target: str, headdim: int, headdim_v: int, page_size: int = 0, split:
         if not split and headdim == headdim_v == 128 and static_page_size(page_size):
             return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
         return DecodeConfig(block_n=32, num_warps=4, num_stages=6)  # narrower steps, more in flight
-    if not split and headdim == headdim_v == 128:
+    if not split and headdim == headdim_v == 128 and not fp8:
         return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
+    # (fp8 caches, unsplit and dense at head dim 128: 128x4x2 with the conversions to fp16 spills
+    # 140 B under triton 3.8 (none under 3.6), 128x8x3 none under either; picked by its sm_90a
+    # compile, not timed: tools/decode_compile.py form d128-dense-fp8)
     return DecodeConfig(block_n=128, num_warps=8, num_stages=3)
 
 
@@ -228,8 +232,9 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headdim, headdim_v,
-         page_size=0, num_splits=0) -> Plan:
-    """``page_size``: rows per page of a paged cache, 0 for a dense one."""
+         page_size=0, num_splits=0, fp8=False) -> Plan:
+    """``page_size``: rows per page of a paged cache, 0 for a dense one; ``fp8``: fp8 caches
+    (their tile, ``config``; the splits as for 16-bit caches)."""
     cfg = config(target, headdim, headdim_v, page_size)
     group = nheads // nheads_kv
     bm = block_m(max_seqlen_q, group)
@@ -238,7 +243,7 @@ def plan(target, device, batch, max_seqlen_q, capacity, nheads, nheads_kv, headd
     slots = _num_sms(device) * ctas_per_sm(cfg, headdim, headdim_v)
     splits = num_splits_for(tiles, ceil_div(capacity, cfg.block_n), slots, num_splits)
     if splits == 1:  # (the same CTAs per SM: the split count stands)
-        cfg = config(target, headdim, headdim_v, page_size, split=False)
+        cfg = config(target, headdim, headdim_v, page_size, split=False, fp8=fp8)
     return Plan(bm, m_tiles, splits, cfg)
 
 
@@ -548,7 +553,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
     group = nheads // nheads_kv
     page_size = k.shape[1] if cache is not None and cache.page_table is not None else 0
     pl = plan(target, q.device, batch, p.max_seqlen_q, p.max_seqlen_k, nheads, nheads_kv, d, dv, page_size,
-              num_splits)
+              num_splits, fp8=descale is not None)
     block_dv = max(16, triton.next_power_of_2(dv))
     split = pl.splits > 1
     tiles = batch * nheads_kv * pl.m_tiles
