@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (cache_bases, cache_batch, ceil_div, chunk_start, fp8_descales, in_chunk, page_block_of, page_entries,
-                     scores, seqlen_info, softmax_step, to_output, visible)
+from .common import (cache_bases, cache_batch, ceil_div, chunk_start, fp8_descales, in_chunk, page_block_of,
+                     page_entries, scores, seqlen_info, softmax_step, to_output, visible)
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
 
