@@ -13,7 +13,8 @@
 # headdims.json, headdims.png, bench-headdims.txt: --preset headdims; PARTS=decode:
 # decode.json, decode.png, bench-decode.txt: --preset decode, published as
 # benchmarks/results/h200-decode-latest.{json,png}; DECODE_IMPLS: its implementations,
-# DECODE_RESUME=path: a partial decode.json of the same commit to resume).
+# DECODE_RESUME=path: a partial decode.json of the same commit to resume; PARTS=decode-fp8: the same
+# cases with fp8 caches, decode-fp8.json; PARTS=fa3: FA3's own test file, fa3-own.txt).
 # The two parts take ~260-535 s each (tests at be2df44: 651 in 263 s with 12 workers, 430 s
 # with 8 at 95274cf; the bench with 3 rounds and FA4 isolated: 453-534 s): one device call
 # each, PARTS=tests (TEST_TIMEOUT default 560) and PARTS=bench (h200.json is rewritten after
@@ -64,4 +65,15 @@ PARTS="${PARTS:-tests bench}"
   ${DECODE_RESUME:+--resume "$DECODE_RESUME"} --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" \
   --out "$OUT_DIR/decode.json" --plot "$OUT_DIR/decode.png" 2>&1 \
   | tee "$OUT_DIR/bench-decode-full.txt" | tail -n 60 | tee "$OUT_DIR/bench-decode.txt"
+# 5. fp8 KV caches (FA3's e4m3 forward): the decode cases with fp8 q and caches, the
+#    implementations that take fp8 (PARTS=decode-fp8: decode-fp8.json, bench-decode-fp8.txt).
+[[ " $PARTS " == *" decode-fp8 "* ]] && timeout "${BENCH_TIMEOUT:-560}" python3 -m triflash.bench --preset decode \
+  --dtype fp8 --commit "$COMMIT" --impls "${DECODE_IMPLS:-triflash,triflash-dense,fa3}" ${BENCH_ARGS:-} \
+  --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" --out "$OUT_DIR/decode-fp8.json" --plot "$OUT_DIR/decode-fp8.png" 2>&1 \
+  | tee "$OUT_DIR/bench-decode-fp8-full.txt" | tail -n 60 | tee "$OUT_DIR/bench-decode-fp8.txt"
+# 6. FlashAttention-3's own test file (PARTS=fa3: fa3-own.txt), FA3_HOPPER_DIR its hopper/ (carried),
+#    FA3_SAMPLE / FA3_OFFSET / FA3_K the sample and the -k expression (scripts/fa3_suite.sh).
+[[ " $PARTS " == *" fa3 "* ]] && timeout "${TEST_TIMEOUT:-560}" bash scripts/fa3_suite.sh "$FA3_HOPPER_DIR" \
+  -n "${TEST_WORKERS:-12}" -q -rf ${FA3_K:+-k "$FA3_K"} > "$OUT_DIR/fa3-own.txt" 2>&1
+[[ " $PARTS " == *" fa3 "* ]] && tail -n 20 "$OUT_DIR/fa3-own.txt"
 exit 0
