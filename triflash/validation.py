@@ -191,10 +191,12 @@ def check_descales(q, v, qv, descales, batch, nheads_kv):
         _fail("qv", "a tensor", "qv takes fp16 / bf16 inputs (FA3 has no fp8 qv)", NotImplementedError)
     if v.shape[-1] > MAX_HEADDIM:
         _fail("v head dim", v.shape[-1], f"fp8 inputs take headdim_v up to {MAX_HEADDIM} (as FA3)")
-    out = []
+    out, ones = [], None
     for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
-        if t is None:
-            t = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, nheads_kv)
+        if t is None:  # (one scalar of ones serves every descale left out)
+            if ones is None:
+                ones = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, nheads_kv)
+            t = ones
         elif not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (batch, nheads_kv):
             _fail(name, t if not isinstance(t, torch.Tensor) else f"tensor{tuple(t.shape)} {t.dtype}",
                   f"expected None or a float32 tensor of shape (batch, nheads_kv) = ({batch}, {nheads_kv})")
