@@ -589,10 +589,19 @@ def _cubin_registers(cubin: bytes) -> Optional[int]:
     return int(m.group(1)) if res.returncode == 0 and m else None
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_ptxas_fixed_flags() -> list:
+    """The flags the running Triton always passes ptxas beside the per-kernel ones (3.8 and 3.9
+    add ``--regAllocOptLevel=2``, a ptxas 13 workaround that changes register allocation)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    source = inspect.getsource(CUDABackend.make_cubin)
+    return [flag for flag in ("--regAllocOptLevel=2",) if flag in source]
+
+
 def _run_ptxas(ptx: str, md) -> str:
     """``ptxas -v`` with Triton's flags (see CUDABackend.make_cubin) on ``ptx``; its report."""
     from triton.backends.nvidia.compiler import sm_arch_from_capability
-    flags = ["-lineinfo", "-v", f"--gpu-name={sm_arch_from_capability(90)}"]
+    flags = ["-lineinfo", "-v", f"--gpu-name={sm_arch_from_capability(90)}"] + _triton_ptxas_fixed_flags()
     if not getattr(md, "enable_fp_fusion", True):
         flags.append("--fmad=false")
     if getattr(md, "ptx_options", None):

@@ -6,7 +6,7 @@ compiled for sm_90a without a GPU.
 1. allocates one NVMMA-swizzled shared tile for Q [BLOCK_M, D] and one for K [BLOCK_N, D]
    (layouts taken from the TMA descriptors) and one mbarrier (count 1);
 2. ``mbarrier.expect`` with the bytes of both tiles, then two TMA loads
-   (``tma.async_copy_global_to_shared``) that complete on that mbarrier; ``mbarrier.wait``
+   (``tma_load``) that complete on that mbarrier; ``mbarrier.wait``
    on phase 0;
 3. ``warpgroup_mma(q_smem, k_smem.permute((1, 0)), acc)``: S = Q K^T into fp32 registers
    with an ``NVMMADistributedLayout(version=[3, 0])`` accumulator; K^T is a transposed
@@ -29,7 +29,8 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
+from triflash.kernels.hopper.common import tma_load
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -48,8 +49,8 @@ def qk_smoke_kernel(q_desc, k_desc, s_ptr, stride_sm, num_warps: gl.constexpr):
 
     # Both loads complete on one barrier: expect the sum of their bytes, then wait phase 0.
     mbarrier.expect(ready, q_desc.block_type.nbytes + k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [0, 0], ready, q_tile)
-    tma.async_copy_global_to_shared(k_desc, [0, 0], ready, k_tile)
+    tma_load(q_desc, [0, 0], ready, q_tile)
+    tma_load(k_desc, [0, 0], ready, k_tile)
     mbarrier.wait(ready, 0)
     mbarrier.invalidate(ready)
 

@@ -78,7 +78,7 @@ from .bwd_loader import _bwd_loader, _loader_barriers
 from .bwd_stats import BLOCK_M, stats  # (BLOCK_M: query rows per streamed Q / dO tile)
 from .common import (CONSUMER_REGS, LOADER_REGS, Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view,
                      a_operand, descriptor, kernel_head_dim, launch, num_sms, planned_launch,
-                     stat_descriptor, tma_compatible, tma_reduce_add, to_16bit)
+                     stat_descriptor, tma_compatible, tma_reduce_add, tma_store, to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 NUM_CONSUMERS = 2        # consumer warpgroups
@@ -445,8 +445,8 @@ def _store_dkdv(k_buf, v_buf, dk, dv, out, tma_batch, head_kv, start_k, key_star
                     stride_dvn, len_k - key_start, HEAD_DIM)
     else:
         fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [tma_batch, key_start, head_kv, 0], _tma_view(k_buf, dk_desc))
-        tma.async_copy_shared_to_global(dv_desc, [tma_batch, key_start, head_kv, 0], _tma_view(v_buf, dv_desc))
+        tma_store(dk_desc, [tma_batch, key_start, head_kv, 0], _tma_view(k_buf, dk_desc))
+        tma_store(dv_desc, [tma_batch, key_start, head_kv, 0], _tma_view(v_buf, dv_desc))
         tma.store_wait(0)
 
 

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..common import ceil_div, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
 from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _key_tile, _tma_view, a_operand, descriptor,
-                     kernel_head_dim, planned_launch, stat_descriptor, to_16bit)
+                     kernel_head_dim, planned_launch, stat_descriptor, tma_store, to_16bit)
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
@@ -296,8 +296,8 @@ def _store_half_tma(dk, dv, k_buf, v_buf, dk_desc, dv_desc, tma_batch, key0, hea
     k_buf.store(dk.to(k_buf.dtype))
     v_buf.store(dv.to(v_buf.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [tma_batch, key0, head_kv, COL0], _tma_view(k_buf, dk_desc))
-    tma.async_copy_shared_to_global(dv_desc, [tma_batch, key0, head_kv, COL0], _tma_view(v_buf, dv_desc))
+    tma_store(dk_desc, [tma_batch, key0, head_kv, COL0], _tma_view(k_buf, dk_desc))
+    tma_store(dv_desc, [tma_batch, key0, head_kv, COL0], _tma_view(v_buf, dv_desc))
     tma.store_wait(0)
 
 

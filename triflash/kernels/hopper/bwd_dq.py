@@ -29,11 +29,11 @@ from typing import NamedTuple
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from ..common import ceil_div, tanh, visible
 from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _seq_query_tile, _store_query_tile, _tma_view,
-                     descriptor, kernel_head_dim, planned_launch, stat_row0, to_16bit)
+                     descriptor, kernel_head_dim, planned_launch, stat_row0, tma_load, to_16bit)
 
 ROWS_PER_CONSUMER = 64
 NUM_CONSUMERS = 2  # consumer warpgroups
@@ -90,9 +90,9 @@ def _dq_loader(descs, smem, seq, window, META: gl.constexpr):
                                                           BLOCK_N, META)
     mbarrier.expect(q_ready, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
+        tma_load(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
                                         _tma_view(q_bufs.index(c), q_desc))
-        tma.async_copy_global_to_shared(do_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
+        tma_load(do_desc, [tma_batch, start_q + row0 + c * BM, head, 0], q_ready,
                                         _tma_view(do_bufs.index(c), do_desc))
     for it in range(n_max - n_min):
         n = n_min + it
@@ -102,10 +102,10 @@ def _dq_loader(descs, smem, seq, window, META: gl.constexpr):
         if V_STAGES != 0:  # V in a ring of its own (read by dP' only, so freed before K)
             mbarrier.wait(v_free.index(it % V_STAGES), ((it // V_STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+        tma_load(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                         kv_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
         v_slot = stage if V_STAGES == 0 else it % V_STAGES
-        tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+        tma_load(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                         kv_ready.index(stage), _tma_view(v_ring.index(v_slot), v_desc))
 
 

@@ -18,9 +18,9 @@ of a CTA that owns one key block of one (batch, KV head).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .common import _tma_view
+from .common import _tma_view, tma_load
 
 
 @gluon.jit
@@ -64,9 +64,9 @@ def _bwd_loader(descs, kv, ring, tile, NUM_CONSUMERS: gl.constexpr, STAGES: gl.c
     COL_STEP: gl.constexpr = W if SPLIT_D else 0
     mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
+        tma_load(k_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
                                         kv_bar, _tma_view(k_bufs.index(c), k_desc))
-        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
+        tma_load(v_desc, [tma_batch, k_row0 + key0 + c * KEY_STEP, head_kv, c * COL_STEP],
                                         kv_bar,
                                         _tma_view(v_bufs.index(c), v_desc))
     count = m_max - m_min
@@ -83,13 +83,13 @@ def _bwd_loader(descs, kv, ring, tile, NUM_CONSUMERS: gl.constexpr, STAGES: gl.c
         # Q with its rows' LSE, dO with its rows' Delta: one barrier each.
         mbarrier.expect(q_ready.index(stage), PIECES * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         for j in gl.static_range(PIECES):
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, q_row0 + m * BM, head, j * W], q_ready.index(stage),
+            tma_load(q_desc, [tma_batch, q_row0 + m * BM, head, j * W], q_ready.index(stage),
                                             _tma_view(q_ring.index(PIECES * stage + j), q_desc))
-        tma.async_copy_global_to_shared(lse_desc, [tma_batch, head, stat0 + m * BM], q_ready.index(stage),
+        tma_load(lse_desc, [tma_batch, head, stat0 + m * BM], q_ready.index(stage),
                                         _tma_view(lse_ring.index(stage), lse_desc))
         mbarrier.expect(do_ready.index(stage), PIECES * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         for j in gl.static_range(PIECES):
-            tma.async_copy_global_to_shared(do_desc, [tma_batch, q_row0 + m * BM, head, j * W], do_ready.index(stage),
+            tma_load(do_desc, [tma_batch, q_row0 + m * BM, head, j * W], do_ready.index(stage),
                                             _tma_view(do_ring.index(PIECES * stage + j), do_desc))
-        tma.async_copy_global_to_shared(delta_desc, [tma_batch, head, stat0 + m * BM], do_ready.index(stage),
+        tma_load(delta_desc, [tma_batch, head, stat0 + m * BM], do_ready.index(stage),
                                         _tma_view(delta_ring.index(stage), delta_desc))

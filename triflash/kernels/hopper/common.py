@@ -10,6 +10,7 @@ from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton._C.libtriton import ir
+from triton.language.core import _unwrap_if_constexpr
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -17,6 +18,12 @@ from triton.runtime import driver
 
 from ..common import (launch_order, launch_sections, m_block_range, n_block_range, persistent_schedule,
                       seqlen_info, split_table)
+
+
+# TMA copies under the name the running Triton gives them: 3.8 named them async_load /
+# async_store and kept the 3.6 names as aliases; 3.9 removed the old names.
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 
 # setmaxnreg of every kernel's loader warp, and of its consumer warpgroups' threads (the
@@ -37,7 +44,7 @@ def _acc_layout(n, dtype):
 def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """``cp.reduce.async.bulk.tensor.add`` of shared tile ``src`` into the box of
     ``tensor_desc`` at ``coord`` (the L2 adds, elementwise, atomically per element; the
-    order of concurrent adds is not fixed). Like ``tma.async_copy_shared_to_global`` it
+    order of concurrent adds is not fixed). Like ``tma_store`` it
     joins the thread's bulk group: ``tma.store_wait`` before ``src`` is written again.
     (Gluon 3.6 builds the op but exports no wrapper for it.)"""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
@@ -73,10 +80,19 @@ def a_operand(buf, IN_REGISTERS: gl.constexpr, acc_layout: gl.constexpr):
         return buf
 
 
+@builtin
+def _reinterpret(buf, dtype, shape, layout, _semantic=None):
+    """Shared tile ``buf`` seen as ``dtype`` / ``shape`` / ``layout``: the memdesc reinterpret
+    of every Gluon release (the method is ``_reinterpret`` up to Triton 3.8, ``reinterpret``
+    from 3.9)."""
+    return _semantic.memdesc_reinterpret(buf, _unwrap_if_constexpr(dtype),
+                                         [_unwrap_if_constexpr(s) for s in shape], _unwrap_if_constexpr(layout))
+
+
 @gluon.jit
 def _tma_view(buf, desc):
     """A 2D [rows, dim] smem tile seen as the rank-4 (1, rows, 1, dim) box of ``desc``."""
-    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    return _reinterpret(buf, desc.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -297,7 +313,7 @@ def _store_query_tile(buf, desc, PTR, stride_row, stride_head, tma_batch, head, 
                     stride_row, len_q - row0, NCOLS)
     else:
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc, [tma_batch, row0, head, 0], _tma_view(buf, desc))
+        tma_store(desc, [tma_batch, row0, head, 0], _tma_view(buf, desc))
         tma.store_wait(0)
 
 

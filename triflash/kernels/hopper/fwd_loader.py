@@ -20,10 +20,10 @@ of tiles it shares with the consumer warpgroups.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.core import _aggregate as aggregate
 
-from .common import _seq_query_tile, _tile_at, _tile_walk, _tma_view
+from .common import _seq_query_tile, _tile_at, _tile_walk, _tma_view, tma_load
 
 
 @gluon.constexpr_function
@@ -116,7 +116,7 @@ def _fwd_loader(q_desc, k_desc, v_desc, smem, tiles, SCHED, window, META: gl.con
         mbarrier.wait(q_free.index(slot), (use & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), NUM_CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0],
+            tma_load(q_desc, [tma_batch, start_q + row0 + c * BM, head, 0],
                                             q_ready.index(slot),
                                             _tma_view(q_bufs.index(slot * NUM_CONSUMERS + c), q_desc))
         count = n_max - n_min
@@ -127,11 +127,11 @@ def _fwd_loader(q_desc, k_desc, v_desc, smem, tiles, SCHED, window, META: gl.con
             phase = (g // STAGES) & 1
             mbarrier.wait(k_free.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+            tma_load(k_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                             k_ready.index(stage), _tma_view(k_ring.index(stage), k_desc))
             mbarrier.wait(v_free.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
+            tma_load(v_desc, [tma_batch, start_k + n * BLOCK_N, head_kv, 0],
                                             v_ready.index(stage), _tma_view(v_ring.index(stage), v_desc))
         kv_base += count
         local += 1
