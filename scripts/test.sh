@@ -15,6 +15,11 @@ VENV="${VENV:-.venv}"
 pins=()
 if [ -n "${TORCH:-}" ]; then pins+=("torch==$TORCH"); fi
 if [ -n "${TRITON:-}" ]; then pins+=("triton==$TRITON"); fi
+if [ ${#pins[@]} -gt 0 ]; then
+  # A pinned pair is exact: a machine-wide pip constraint file (e.g. one capping torch below
+  # the matrix's newest release) must not veto it.
+  export PIP_CONSTRAINT=/dev/null
+fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,transformers]" ${pins[@]+"${pins[@]}"}
 "$VENV/bin/python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}", flush=True)'
 exec "$VENV/bin/python" -m pytest tests -q -n "${WORKERS:-2}" -p no:cacheprovider "$@"

@@ -60,7 +60,10 @@ def _check_row(r, spill_budget=0):
     consumers, wgmma and TMA in the PTX, the consumer warpgroups (2, or 3) + the loader's
     (padded) warpgroup."""
     assert r["shared"] <= R.MAX_SHARED_SM90, r
-    assert r["spill_bytes"] <= spill_budget, r
+    if triton_release() in VALIDATED_TRITON:
+        # Spill budgets guard the speed of what dispatch runs; on a Triton release the Hopper
+        # tier is not validated on (versions.VALIDATED_TRITON) it runs only when forced.
+        assert r["spill_bytes"] <= spill_budget, r
     # ptxas serializing the wgmmas (C7512, e.g. for want of registers) costs more than any
     # spill and shows in no spill count
     assert not r["wgmma_serialized"], r

@@ -20,10 +20,13 @@ import triton
 # (torch, triton) pairs: CI installs each and runs the test suite on the CPU.
 MATRIX = (
     ("2.11.0", "3.6.0"),  # the GPU machine's pair (torch 2.11 pins triton 3.6.0)
-    ("2.14.1", "3.8.0"),  # what `pip install triflash` resolves today (torch 2.14 pins 3.8)
+    ("2.14.1", "3.8.0"),  # torch 2.14 pins triton 3.8.0
+    ("2.15.0", "3.9.0"),  # the newest: what `pip install triflash` resolves (torch 2.15 pins 3.9.0)
 )
 
-# Triton releases (major.minor) the Hopper tier was GPU-tested and benchmarked under.
+# Triton releases (major.minor) the Hopper tier was GPU-tested and benchmarked under. Not yet
+# 3.9: its register allocation spills more in the Gluon kernels (the sm_90a compile checks),
+# and no H200 has run them under it.
 VALIDATED_TRITON = ("3.6", "3.8")
 
 
@@ -31,6 +34,18 @@ def triton_release(version: str = None) -> str:
     """'3.8' for '3.8.0' (or the running Triton's, '3.8.0+git1234' included)."""
     parts = (version or triton.__version__).split("+")[0].split(".")
     return ".".join(parts[:2])
+
+
+def matrix_releases() -> tuple:
+    """The Triton releases (major.minor) of the support matrix, in its order."""
+    return tuple(triton_release(triton_version) for _, triton_version in MATRIX)
+
+
+def validated_pairs() -> str:
+    """'torch 2.11.0 / triton 3.6.0, torch 2.14.1 / triton 3.8.0': the matrix's pairs whose
+    Triton the Hopper tier is validated on (what to pin)."""
+    return ", ".join(f"torch {torch_version} / triton {triton_version}" for torch_version, triton_version in MATRIX
+                     if triton_release(triton_version) in VALIDATED_TRITON)
 
 
 def hopper_untrusted_reason(version: str = None) -> str:
@@ -52,6 +67,7 @@ def warn_untrusted_once(reason: str) -> None:
         return
     _warned = True
     warnings.warn(f"triflash: {reason}: the Hopper (Gluon) kernels are off and the portable "
-                  f"Triton kernels run instead (slower on H100/H200). Use a validated triton, or "
+                  f"Triton kernels run instead (slower on H100/H200). Use a validated triton "
+                  f"({validated_pairs()}), or "
                   f"run the Hopper tier anyway with triflash.force_backend('hopper') or "
                   f"TRIFLASH_BACKEND=hopper.", RuntimeWarning, stacklevel=4)
