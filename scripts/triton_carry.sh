@@ -15,6 +15,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   -d .triton/wheel "triton==$VERSION"
 python3 -m zipfile -e .triton/wheel/*.whl .triton/unpacked
+chmod +x .triton/unpacked/triton/backends/*/bin/*   # zipfile drops the modes: ptxas & co. run
 tar -C .triton/unpacked -cf - . | xz -6 -T0 | split -b 57m -d - .triton/part-
 rm -rf .triton/wheel .triton/unpacked
 ls -l .triton
