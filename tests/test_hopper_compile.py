@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tools import sm90_report as R
-from triflash.versions import VALIDATED_TRITON, triton_release
+from triflash.versions import matrix_releases, triton_release
 
 pytestmark = pytest.mark.sm90
 
@@ -60,10 +60,7 @@ def _check_row(r, spill_budget=0):
     consumers, wgmma and TMA in the PTX, the consumer warpgroups (2, or 3) + the loader's
     (padded) warpgroup."""
     assert r["shared"] <= R.MAX_SHARED_SM90, r
-    if triton_release() in VALIDATED_TRITON:
-        # Spill budgets guard the speed of what dispatch runs; on a Triton release the Hopper
-        # tier is not validated on (versions.VALIDATED_TRITON) it runs only when forced.
-        assert r["spill_bytes"] <= spill_budget, r
+    assert r["spill_bytes"] <= spill_budget, r
     # ptxas serializing the wgmmas (C7512, e.g. for want of registers) costs more than any
     # spill and shows in no spill count
     assert not r["wgmma_serialized"], r
@@ -219,13 +216,32 @@ BUDGETS_BY_TRITON = {
         "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
         "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B
     },
+    # Triton 3.9: most of the Gluon kernels spill more than under 3.8; measured under 3.9.0
+    # (bf16 and fp16). The 128 backward's spills cost 7-15% there
+    # (benchmarks/results/bench-8k-f2f07a1-triton3.9-vs-3.6.txt); the tier is not validated on 3.9.
+    "3.9": {
+        "HOPPER_FWD_SPILL_BUDGET": {("causal", 128): 64, ("window-softcap", 128): 192,  # 48, 184 B
+                                    ("window-softcap", 256): 288},  # 260 B
+        "HOPPER_FWD_3WG_SPILL_BUDGET": {("causal", 64): 416, ("window-softcap", 64): 336},  # 392, 304 B
+        "HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET": {("plain", 64): 864, ("causal", 64): 448,  # 832, 424 B
+                                               ("window-softcap", 64): 544},  # 512 B
+        "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 1024, ("causal", 128): 1088,  # 836, 1068 B
+                                           ("window-softcap", 128): 512},  # 496 B
+        "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 128): 64},  # 48 B
+        "HOPPER_BWD_SPILL_BUDGET": {("plain", 128): 64, ("causal", 128): 448,  # 56, 428 B
+                                    ("causal", 256): 128, ("window-softcap", 256): 160},  # 112, 144 B
+        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("plain", 128): 1056, ("causal", 128): 1248,  # 1032, 1224 B
+                                           ("window-softcap", 128): 1504},  # 1476 B
+        "HOPPER_BWD_SPLIT_SPILL_BUDGET": {("plain", 128): 608},  # 568 B
+        "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("plain", 128): 1024, ("causal", 128): 1376},  # 984, 1356 B
+    },
 }
 for _name, _overlay in BUDGETS_BY_TRITON.get(triton_release(), {}).items():
     globals()[_name] = {**globals()[_name], **_overlay}
 
 
 def test_budgets_by_triton_name_known_tables():
-    assert set(BUDGETS_BY_TRITON) <= set(VALIDATED_TRITON)
+    assert set(BUDGETS_BY_TRITON) <= set(matrix_releases())
     for overlay in BUDGETS_BY_TRITON.values():
         for name, entries in overlay.items():
             assert name.endswith("_SPILL_BUDGET") and isinstance(globals()[name], dict), name
