@@ -216,24 +216,34 @@ BUDGETS_BY_TRITON = {
         "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
         "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B
     },
-    # Triton 3.9: most of the Gluon kernels spill more than under 3.8; measured under 3.9.0
-    # (bf16 and fp16). The 128 backward's spills cost 7-15% there
-    # (benchmarks/results/bench-8k-f2f07a1-triton3.9-vs-3.6.txt); the tier is not validated on 3.9.
+    # Triton 3.9 (ptxas 13.4 for sm_90 with --regAllocOptLevel=2, and its dummy moves before
+    # each wgmma reading A from registers): every Gluon kernel spills more than under 3.8.
+    # Measured under 3.9.0 (bf16 and fp16, the largest of dense / varlen / KV-cache form in
+    # each table), the budget the next multiple of 32 B at least 16 B above. The 128
+    # backward's spills cost 7-15% there, the forward's 0-4.5%
+    # (benchmarks/results/bench-8k-f2f07a1-triton3.9-vs-3.6.txt).
     "3.9": {
-        "HOPPER_FWD_SPILL_BUDGET": {("causal", 128): 64, ("window-softcap", 128): 192,  # 48, 184 B
-                                    ("window-softcap", 256): 288},  # 260 B
-        "HOPPER_FWD_3WG_SPILL_BUDGET": {("causal", 64): 416, ("window-softcap", 64): 336},  # 392, 304 B
-        "HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET": {("plain", 64): 864, ("causal", 64): 448,  # 832, 424 B
-                                               ("window-softcap", 64): 544},  # 512 B
-        "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 1024, ("causal", 128): 1088,  # 836, 1068 B
-                                           ("window-softcap", 128): 512},  # 496 B
-        "HOPPER_FWD_OPTION_SPILL_BUDGET": {("causal", 128): 64},  # 48 B
-        "HOPPER_BWD_SPILL_BUDGET": {("plain", 128): 64, ("causal", 128): 448,  # 56, 428 B
-                                    ("causal", 256): 128, ("window-softcap", 256): 160},  # 112, 144 B
-        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("plain", 128): 1056, ("causal", 128): 1248,  # 1032, 1224 B
-                                           ("window-softcap", 128): 1504},  # 1476 B
-        "HOPPER_BWD_SPLIT_SPILL_BUDGET": {("plain", 128): 608},  # 568 B
-        "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("plain", 128): 1024, ("causal", 128): 1376},  # 984, 1356 B
+        "HOPPER_FWD_SPILL_BUDGET": {("causal", 128): 64, ("window-softcap", 128): 256,  # 20, 228 B
+                                    ("plain", 256): 416, ("window-softcap", 256): 448},  # 372, 424 B
+        "HOPPER_FWD_3WG_SPILL_BUDGET": {("plain", 64): 640, ("causal", 64): 800,  # 616, 756 B
+                                        ("window-softcap", 64): 992},  # 948 B
+        "HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET": {("plain", 64): 640},  # 604 B
+        "HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET": {("plain", 64): 2368, ("causal", 64): 1216,  # 2340, 1200 B
+                                               ("window-softcap", 64): 1376},  # 1348 B
+        "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 960, ("causal", 128): 704,  # 920, 664 B
+                                           ("window-softcap", 128): 640,  # 596 B
+                                           ("plain", 256): 672, ("causal", 256): 544,  # 656, 500 B
+                                           ("causal", 192): 544, ("window-softcap", 256): 832},  # 500, 812 B
+        "HOPPER_BWD_SPILL_BUDGET": {("plain", 128): 224, ("causal", 128): 608,  # 180, 580 B
+                                    ("window-softcap", 128): 384,  # 368 B
+                                    ("plain", 256): 96, ("causal", 256): 224,  # 80, 192 B
+                                    ("window-softcap", 256): 256},  # 228 B
+        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("window-softcap", 64): 224,  # 204 B
+                                           ("plain", 128): 992, ("causal", 128): 1632,  # 960, 1596 B
+                                           ("window-softcap", 128): 1888},  # 1844 B
+        "HOPPER_BWD_SPLIT_SPILL_BUDGET": {("plain", 64): 352, ("plain", 128): 1088},  # 320, 1052 B
+        "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("plain", 128): 800, ("causal", 128): 1728},  # 772, 1688 B
+        "HOPPER_DQ_SPILL_BUDGET": {("plain", 256): 32, ("causal", 256): 128},  # 16, 92 B
     },
 }
 for _name, _overlay in BUDGETS_BY_TRITON.get(triton_release(), {}).items():

@@ -486,7 +486,9 @@ def toolchain_problem() -> Optional[str]:
 def _toolchain_id() -> str:
     import triton
     ptxas = subprocess.run([_ptxas_path(), "--version"], capture_output=True, text=True).stdout
-    return f"triton {triton.__version__}; {ptxas.strip().splitlines()[-1] if ptxas else '?'}"
+    # (with the flags every run passes ptxas: cached results name all that decides them)
+    return (f"triton {triton.__version__}; {ptxas.strip().splitlines()[-1] if ptxas else '?'}; "
+            f"{' '.join(_triton_ptxas_fixed_flags())}")
 
 
 # ---------------------------------------------------------------------------------------------
