@@ -57,11 +57,12 @@ def _compile(kernel, args) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from tools.smoke import _specialize
+    from triflash.kernels.common import FP_FUSION
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("Gluon has no interpreter: unset TRITON_INTERPRET (or use run_subprocess)")
     signature, constexprs, attrs = _specialize(kernel, args)
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": FP_FUSION})
     ptx = compiled.asm["ptx"]
     info = _ptxas_info(ptx, compiled.metadata)
     return dict(shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,

@@ -30,6 +30,7 @@ import sys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
+from triflash.kernels.common import FP_FUSION
 from triflash.kernels.hopper.common import tma_load
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -110,7 +111,7 @@ def compile_sm90(block_m=64, block_n=64, headdim=128, dtype="bf16"):
     signature, constexprs, attrs = _specialize(fn, [q_desc, k_desc, s, s.stride(0), num_warps])
     src = GluonASTSource(fn, signature, constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps})
+                              options={"num_warps": num_warps, "enable_fp_fusion": FP_FUSION})
     ptx = compiled.asm["ptx"]
     return dict(block_m=block_m, block_n=block_n, headdim=headdim, dtype=dtype,
                 num_warps=compiled.metadata.num_warps, shared=compiled.metadata.shared,

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (cache_bases, cache_batch, ceil_div, chunk_start, fp8_descales, in_chunk, page_block_of,
+from .common import (FP_FUSION, cache_bases, cache_batch, ceil_div, chunk_start, fp8_descales, in_chunk, page_block_of,
                      page_entries, scores, seqlen_info, softmax_step, to_output, visible)
 from .problem import CacheAddressing, alloc_fwd_outputs, bshd_strides, lse_strides
 
@@ -588,7 +588,7 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
         cu_seqlens_q if varlen else dummy, seqused_k if seqused_k is not None else dummy,
         kv_batch, k_start, page_table, tuple(paging),
         (nheads_kv, p.max_seqlen_q, p.max_seqlen_k, total_q, pl.splits),
-        score, META=meta, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages)
+        score, META=meta, num_warps=pl.cfg.num_warps, num_stages=pl.cfg.num_stages, enable_fp_fusion=FP_FUSION)
     if split:
         block_s = triton.next_power_of_2(pl.splits)
         chunk = min(block_dv, max(16, 8192 // block_s))  # (an 8K-element tile of shares per program)
@@ -596,6 +596,6 @@ def fwd(q, k, v, cu_seqlens_q, seqused_k, cache, p, target: str, num_splits: int
             out, lse, o_part, lse_part, bshd_strides(out, varlen), lse_strides(lse, varlen),
             cu_seqlens_q if varlen else dummy, (nheads_kv, p.max_seqlen_q, total_q, pl.splits, pl.m_tiles),
             GROUP=group, HEADDIM_V=dv, BLOCK_M=pl.block_m, BLOCK_DV=block_dv, BLOCK_S=block_s,
-            CHUNK=chunk, IS_VARLEN=varlen, UPCAST=upcast, CHAINED=chain, num_warps=4,
+            CHUNK=chunk, IS_VARLEN=varlen, UPCAST=upcast, CHAINED=chain, num_warps=4, enable_fp_fusion=FP_FUSION,
             **({"launch_pdl": True} if chain else {}))
     return out, lse

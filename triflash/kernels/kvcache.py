@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cache_batch, launch_order, paged_rows
+from .common import FP_FUSION, cache_batch, launch_order, paged_rows
 
 
 @triton.jit
@@ -107,5 +107,6 @@ def append_kv(k_new, v_new, k_cache, v_cache, starts, batch_idx=None, page_table
         ((knb, knn, knh), (vnb, vnn, vnh), tuple(k_cache.stride()[:3]), tuple(v_cache.stride()[:3])),
         D=d, DV=dv, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_N=block_n,
-        HAS_KV_BATCH=batch_idx is not None, PAGED=paged, VARLEN_NEW=varlen, num_warps=4)
+        HAS_KV_BATCH=batch_idx is not None, PAGED=paged, VARLEN_NEW=varlen, num_warps=4,
+        enable_fp_fusion=FP_FUSION)
     return used

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from .bwd import BwdMeta, bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
-from .common import ceil_div, launch_sections
+from .common import FP_FUSION, ceil_div, launch_sections
 from .configs import BwdConfig, FwdConfig
 from .fwd import FwdMeta, flash_fwd_kernel
 from .problem import AttnParams, CacheAddressing, alloc_fwd_outputs, alloc_output, bshd_strides, lse_strides
@@ -92,7 +92,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, p: AttnParams
         FwdMeta(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **s["flags"], **_common_flags(q, v, p, upcast),
                 **cache_flags, DENSE_K=varlen and not k_varlen, HAS_CHUNK=p.chunk > 0, HAS_QV=qv is not None,
                 FP8=descale is not None, WIDE_ROWS=wide_rows(p.max_seqlen_q, cfg.block_m, q, out, varlen)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
     )
     return out, lse
 
@@ -115,7 +115,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq, s, p: AttnParams, cfg: BwdConfig, f
         (qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right,
          _sections(q, k, v, s, p)),
         BwdMeta(BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **s["flags"], **flags),
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, enable_fp_fusion=FP_FUSION,
     )
 
 
@@ -149,7 +149,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
         out, dout, delta, (bshd_strides(out, varlen), bshd_strides(dout, varlen), lse_view),
         s["ptrs"][0], s["ptrs"][2], nheads, p.max_seqlen_q, s["sizes"][2],
         HEADDIM_V=flags["HEADDIM_V"], BLOCK_M=pre_block, BLOCK_DV=flags["BLOCK_DV"],
-        IS_VARLEN=varlen, HAS_SEQUSED_Q=s["flags"]["HAS_SEQUSED_Q"],
+        IS_VARLEN=varlen, HAS_SEQUSED_Q=s["flags"]["HAS_SEQUSED_Q"], enable_fp_fusion=FP_FUSION,
     )
 
     atomic_dq = not deterministic
@@ -166,7 +166,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
             (qk_scale, p.softmax_scale, softcap_log2, p.window_left, p.window_right),
             BwdMeta(BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **s["flags"], **flags,
                     ATOMIC_DQ=atomic_dq and do_dk, DO_DK=do_dk, DO_DV=do_dv),
-            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, enable_fp_fusion=FP_FUSION,
         )
     if atomic_dq:
         dq.copy_(dq_accum)

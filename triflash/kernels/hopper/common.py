@@ -16,8 +16,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
-from ..common import (launch_order, launch_sections, m_block_range, n_block_range, persistent_schedule,
-                      seqlen_info, split_table)
+from ..common import (FP_FUSION, launch_order, launch_sections, m_block_range, n_block_range,
+                      persistent_schedule, seqlen_info, split_table)
 
 
 # TMA copies under the name the running Triton gives them: 3.8 named them async_load /
@@ -387,28 +387,28 @@ def _hooked(hook) -> bool:
 
 
 def launch(kernel, grid, args, num_warps=4):
-    """``kernel[grid](*args, num_warps=num_warps)``, ``args`` every parameter in order (the
-    constexprs too). The first call of a specialization runs Triton's JIT (compiling where
+    """``kernel[grid](*args, num_warps=num_warps)`` (with FP fusion), ``args`` every parameter
+    in order (the constexprs too). The first call of a specialization runs Triton's JIT (compiling where
     needed), later ones the compiled kernel's launcher alone; launch hooks (profilers) and
     anything the key cannot describe take the JIT every time."""
     if not hasattr(kernel, "device_caches") or _hooked(knobs.runtime.launch_enter_hook) \
             or _hooked(knobs.runtime.launch_exit_hook):
-        return kernel[grid](*args, num_warps=num_warps)
+        return kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
     spec = _launch_key(args)
     if spec is None:
-        return kernel[grid](*args, num_warps=num_warps)
+        return kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
     device = driver.active.get_current_device()
     key = (kernel, device, num_warps, spec)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, num_warps=num_warps)
+        compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
         if compiled is not None and not hasattr(compiled, "result") and len(args) == len(kernel.params):
             if len(_COMPILED) >= 4096:
                 _COMPILED.clear()
             _COMPILED[key] = compiled
         return compiled
     if VERIFY_LAUNCHES:
-        jit = kernel.run(*args, grid=grid, warmup=True, num_warps=num_warps)
+        jit = kernel.run(*args, grid=grid, warmup=True, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
         assert jit is compiled, f"launch key of {kernel.__name__} maps two specializations together"
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                  driver.active.get_current_stream(device), compiled.function,

@@ -13,7 +13,7 @@ tests merge pieces computed by the reference.
 import triton
 import triton.language as tl
 
-from ..common import launch_order, launch_sections
+from ..common import FP_FUSION, launch_order, launch_sections
 
 COMBINE_ROWS = 16  # rows per program
 
@@ -72,4 +72,4 @@ def combine(out, lse, ws, wsl, cut, q, k, v, params, block_m):
     """``split_combine_kernel`` launched by the JIT (the forward launches the same arguments
     through ``common.launch``: ``fwd.fwd``)."""
     grid, args = combine_args(out, lse, ws, wsl, cut, q, k, v, params, block_m)
-    split_combine_kernel[grid](*args)
+    split_combine_kernel[grid](*args, enable_fp_fusion=FP_FUSION)
