@@ -126,3 +126,19 @@ def test_every_dispatch_tile_is_enumerated():
     assert set(configs.SM90_FWD.values()) <= fwd
     assert set(configs.SM90_BWD.values()) <= bwd
     assert len({j.id for j in jobs}) == len(jobs)
+
+
+def test_every_launch_states_fp_fusion():
+    """Each launch asks for FP fusion (``kernels.common.FP_FUSION``) instead of taking
+    Triton's default: 3.9 warns on every first compile that leaves it unset, and 3.10 turns
+    it off. The portable tier's forward and backward launches and every decode form."""
+    from tools import decode_compile
+    launches = []
+    for direction, name in (("fwd", "plain"), ("fwd", "kvcache"), ("bwd", "plain")):
+        _, calls = R._record_host_call(direction, None, 128, 128, "bf16", R.FEATURES[name])
+        launches += [(fn, kwargs) for _, fn, _, kwargs in calls]
+    for form in decode_compile.FORMS:
+        launches += [(fn, kwargs) for fn, _, kwargs in decode_compile.launches(form)]
+    assert len({fn for fn, _ in launches}) >= 5
+    for fn, kwargs in launches:
+        assert kwargs.get("enable_fp_fusion") is True, fn
