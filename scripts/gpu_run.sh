@@ -40,7 +40,25 @@ PARTS="${PARTS:-tests bench}"
 #    TEST_MARK: the pytest -m expression (default: the dispatched kernels, not the tests of
 #    options: TEST_MARK="option and not sm90" runs those, tests/conftest.py); TEST_IDS=path:
 #    only the node ids listed in the file (a stopped call's remainder).
+#    TEST_REST_OF=path: a -v log of an earlier run (.gz or plain): only the collected tests it
+#    has no outcome for (those its time box cut off, and tests added since; OUTDIR/rest.txt).
 [[ -n "${SHARD:-}" ]] && export TRIFLASH_TEST_SHARD="$SHARD"
+if [[ -n "${TEST_REST_OF:-}" ]]; then
+  python3 -m pytest tests --collect-only -q -p no:cacheprovider -m "${TEST_MARK:-not sm90 and not option}" \
+    --ignore=tests/test_bench_cpu.py 2>/dev/null | grep '::' | sort > "$OUT_DIR/collected.txt"
+  zcat -f "$TEST_REST_OF" | python3 -c '
+import re, sys
+done = set()
+for line in sys.stdin:  # "[gw3] [ 10%] PASSED tests/...::name[id] " (ids may hold spaces)
+    m = re.search(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/\S.*?)\s*$", line)
+    if m:
+        done.add(m.group(1).split(" - ")[0])
+for test in open(sys.argv[1]).read().splitlines():
+    if test not in done:
+        print(test)' "$OUT_DIR/collected.txt" > "$OUT_DIR/rest.txt"
+  echo "$(wc -l < "$OUT_DIR/rest.txt") of $(wc -l < "$OUT_DIR/collected.txt") collected tests have no outcome in $TEST_REST_OF"
+  TEST_IDS="$OUT_DIR/rest.txt"
+fi
 [[ -n "${TEST_IDS:-}" ]] && export TRIFLASH_TEST_IDS="$(realpath "$TEST_IDS")"
 [[ " $PARTS " == *" tests "* ]] && timeout "${TEST_TIMEOUT:-560}" python3 -m pytest tests -n "${TEST_WORKERS:-12}" -p no:cacheprovider \
   -m "${TEST_MARK:-not sm90 and not option}" -p no:logging --tb=short -v --ignore=tests/test_bench_cpu.py > "$OUT_DIR/gpu-tests.txt" 2>&1
