@@ -65,13 +65,14 @@ class _Kernel:
         return self.by_key.setdefault(hc._launch_key(args), _Compiled())
 
     def __getitem__(self, grid):
-        def go(*args, num_warps):
+        def go(*args, num_warps, enable_fp_fusion):
+            assert enable_fp_fusion is True  # (every launch states it: kernels.common.FP_FUSION)
             self.jit_calls.append((grid, args, num_warps))
             return self._compiled(args)
         return go
 
-    def run(self, *args, grid, warmup, num_warps):
-        assert warmup
+    def run(self, *args, grid, warmup, num_warps, enable_fp_fusion):
+        assert warmup and enable_fp_fusion is True
         return self._compiled(args)
 
 
