@@ -19,7 +19,8 @@ import triton
 
 # (torch, triton) pairs: CI installs each and runs the test suite on the CPU.
 MATRIX = (
-    ("2.11.0", "3.6.0"),  # the GPU machine's pair (torch 2.11 pins triton 3.6.0)
+    ("2.11.0", "3.6.0"),  # the GPU machine's pair (torch 2.10 and 2.11 pin triton 3.6.0)
+    ("2.12.1", "3.7.1"),  # torch 2.12 and 2.13 pin triton 3.7
     ("2.14.1", "3.8.0"),  # torch 2.14 pins triton 3.8.0
     ("2.15.0", "3.9.0"),  # the newest: what `pip install triflash` resolves (torch 2.15 pins 3.9.0)
 )
