@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tools import sm90_report as R
-from triflash.versions import matrix_releases, triton_release
+from tools import triton_budgets
 
 pytestmark = pytest.mark.sm90
 
@@ -201,67 +201,15 @@ HOPPER_DQ_VARLEN_SPILL_BUDGET = {("plain", 256): 64, ("causal", 256): 64, ("wind
 HOPPER_FWD_3WG_SPILL_BUDGET = {("plain", 64): 256, ("causal", 64): 32, ("window-softcap", 64): 64}
 HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET = {}
 
-# Each supported Triton release (triflash.versions.MATRIX) allocates registers its own way:
-# where one spills more than the budgets above, its own, measured on it
-# (``python -m tools.compile_check --json`` under that release), replace
-# them. Triton 3.8: the forward at 64 with three consumers and the varlen forward at 128 hold
-# sequence bookkeeping in spilled words; the H200 GPU suite and benchmark ran under 3.8
-# (benchmarks/results/*-triton3.8*).
-BUDGETS_BY_TRITON = {
-    # Triton 3.7 (torch 2.12 / 2.13): the backward under the causal mask holds a few more
-    # words than under 3.6 (measured under 3.7.1, bf16 and fp16, dense and varlen); the Hopper
-    # tier has not run on the H200 under 3.7.
-    "3.7": {
-        "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 96},  # 100, 76 B
-        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 416},  # 376 B
-        "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("causal", 128): 1184},  # 1148 B
-    },
-    "3.8": {
-        "HOPPER_FWD_3WG_SPILL_BUDGET": {("causal", 64): 288, ("window-softcap", 64): 448},  # 272, 416 B
-        "HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET": {("plain", 64): 832},  # 800 B
-        "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 1024},  # 968 B (976 B at 96)
-        # dK/dV under the causal mask: 128 dense 60 B, varlen 100 B; 256 68 / 44 B
-        "HOPPER_BWD_SPILL_BUDGET": {("causal", 128): 128, ("causal", 256): 128},
-        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 448},  # 388 B
-    },
-    # Triton 3.9 (ptxas 13.4 for sm_90 with --regAllocOptLevel=2, and its dummy moves before
-    # each wgmma reading A from registers): every Gluon kernel spills more than under 3.8.
-    # Measured under 3.9.0 (bf16 and fp16, the largest of dense / varlen / KV-cache form in
-    # each table), the budget the next multiple of 32 B at least 16 B above. The 128
-    # backward's spills cost 7-15% there, the forward's 0-4.5%
-    # (benchmarks/results/bench-8k-f2f07a1-triton3.9-vs-3.6.txt).
-    "3.9": {
-        "HOPPER_FWD_SPILL_BUDGET": {("causal", 128): 64, ("window-softcap", 128): 256,  # 20, 228 B
-                                    ("plain", 256): 416, ("window-softcap", 256): 448},  # 372, 424 B
-        "HOPPER_FWD_3WG_SPILL_BUDGET": {("plain", 64): 640, ("causal", 64): 800,  # 616, 756 B
-                                        ("window-softcap", 64): 992},  # 948 B
-        "HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET": {("plain", 64): 640},  # 604 B
-        "HOPPER_FWD_3WG_VARLEN_SPILL_BUDGET": {("plain", 64): 2368, ("causal", 64): 1216,  # 2340, 1200 B
-                                               ("window-softcap", 64): 1376},  # 1348 B
-        "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 960, ("causal", 128): 704,  # 920, 664 B
-                                           ("window-softcap", 128): 640,  # 596 B
-                                           ("plain", 256): 672, ("causal", 256): 544,  # 656, 500 B
-                                           ("causal", 192): 544, ("window-softcap", 256): 832},  # 500, 812 B
-        "HOPPER_BWD_SPILL_BUDGET": {("plain", 128): 224, ("causal", 128): 608,  # 180, 580 B
-                                    ("window-softcap", 128): 384,  # 368 B
-                                    ("plain", 256): 96, ("causal", 256): 224,  # 80, 192 B
-                                    ("window-softcap", 256): 256},  # 228 B
-        "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("window-softcap", 64): 224,  # 204 B
-                                           ("plain", 128): 992, ("causal", 128): 1632,  # 960, 1596 B
-                                           ("window-softcap", 128): 1888},  # 1844 B
-        "HOPPER_BWD_SPLIT_SPILL_BUDGET": {("plain", 64): 352, ("plain", 128): 1088},  # 320, 1052 B
-        "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("plain", 128): 800, ("causal", 128): 1728},  # 772, 1688 B
-        "HOPPER_DQ_SPILL_BUDGET": {("plain", 256): 32, ("causal", 256): 128},  # 16, 92 B
-    },
-}
-for _name, _overlay in BUDGETS_BY_TRITON.get(triton_release(), {}).items():
+# Where the running Triton release spills more than these (3.6's) budgets, its own, measured
+# under it, replace them (tools/triton_budgets.py).
+for _name, _overlay in triton_budgets.for_release("hopper").items():
     globals()[_name] = {**globals()[_name], **_overlay}
 
 
 def test_budgets_by_triton_name_known_tables():
-    assert set(BUDGETS_BY_TRITON) <= set(matrix_releases())
-    for overlay in BUDGETS_BY_TRITON.values():
-        for name, entries in overlay.items():
+    for release in triton_budgets.BY_TRITON:
+        for name, entries in triton_budgets.for_release("hopper", release).items():
             assert name.endswith("_SPILL_BUDGET") and isinstance(globals()[name], dict), name
             assert all(isinstance(b, int) and b > 0 for b in entries.values()), name
 

@@ -84,12 +84,26 @@ def test_spill_rules_are_justified():
         assert isinstance(reason, str) and len(reason.strip()) >= 20
 
 
-def test_spill_budget_entries_are_justified():
+def test_budgets_by_triton_name_matrix_releases_and_checks():
+    """tools/triton_budgets.py: one row per release of the support matrix (not 3.6, whose
+    budgets are the ones beside each check), each naming known checks, decode forms by name."""
+    from tools import decode_compile, triton_budgets
     from triflash.versions import matrix_releases
-    assert set(R.SPILL_BUDGET_BY_TRITON) <= set(matrix_releases())
+    assert set(triton_budgets.BY_TRITON) <= set(matrix_releases()) - {"3.6"}
+    for release, by_check in triton_budgets.BY_TRITON.items():
+        assert by_check and set(by_check) <= set(triton_budgets.CHECKS), release
+        for form, allowed in by_check.get("decode", {}).items():
+            assert form in decode_compile.FORMS and isinstance(allowed, int) and allowed > 16, (release, form)
+    with pytest.raises(ValueError, match="check='bwd'"):
+        triton_budgets.for_release("bwd")
+
+
+def test_spill_budget_entries_are_justified():
+    from tools import triton_budgets
     known = {j.id for j in R.all_dispatch_configs()}
     entries = list(R.SPILL_BUDGET.items())
-    entries += [e for by_id in R.SPILL_BUDGET_BY_TRITON.values() for e in by_id.items()]
+    entries += [e for release in triton_budgets.BY_TRITON
+                for e in triton_budgets.for_release("portable", release).items()]
     for job_id, entry in entries:
         assert job_id in known, f"SPILL_BUDGET[{job_id!r}] names no dispatch configuration"
         assert isinstance(entry, tuple) and len(entry) == 2, f"SPILL_BUDGET[{job_id!r}]: (bytes, reason)"

@@ -125,69 +125,12 @@ SPILL_RULES.update({
 })
 
 
-# Each supported Triton release (triflash.versions.MATRIX) allocates registers its own way:
-# where a release spills more than the budgets above, its launches get budgets measured on
-# it (job id -> (bytes, reason)), checked before SPILL_BUDGET and SPILL_RULES.
-_TRITON37 = ("triton 3.7's register allocation spills a little more here than 3.6's (measured by "
-             "this report under triton 3.7.1); not run on the H200 under 3.7")
-_TRITON38 = ("triton 3.8's register allocation spills more here than 3.6's (measured by this "
-             "report under triton 3.8.0); the H200 GPU suite and benchmark ran under 3.8 too")
-_TRITON39 = ("triton 3.9's register allocation spills more here than 3.6's and 3.8's (measured by "
-             "this report under triton 3.9.0); not yet timed on the H200 under 3.9")
-SPILL_BUDGET_BY_TRITON: Dict[str, Dict[str, tuple]] = {
-    "3.7": {
-        "fwd-d72-bf16-all": (12288, f"{_TRITON37}: 12272 B"),
-        "fwd+paged-d72-bf16-kvcache-varlen": (6432, f"{_TRITON37}: 6404 B"),
-        "fwd-d96-bf16-causal": (96, f"{_TRITON37}: 72 B"),
-        "fwd+paged-d96-bf16-kvcache": (96, f"{_TRITON37}: 80 B"),
-        "fwd+paged-d96-bf16-kvcache-varlen": (128, f"{_TRITON37}: 88 B"),
-        "fwd-d128-bf16-causal": (96, f"{_TRITON37}: 72 B"),
-        "fwd-d192-bf16-all": (256, f"{_TRITON37}: 212 B"),
-        "fwd+paged-d192-bf16-kvcache": (64, f"{_TRITON37}: 32 B"),
-        "fwd+paged-d192-bf16-kvcache-varlen": (128, f"{_TRITON37}: 88 B"),
-        "fwd-d256-bf16-all": (256, f"{_TRITON37}: 216 B"),
-    },
-    "3.8": {
-        "bwd_dq-d64-bf16-all": (1152, f"{_TRITON38}: 1140 B"),
-        "bwd_dq-d72-bf16-all": (4224, f"{_TRITON38}: 4192 B"),
-        "fwd-d64-bf16-all": (1216, f"{_TRITON38}: 1192 B when every block's Q / O rows were 64-bit"),
-        "fwd+paged-d64-bf16-kvcache-varlen": (384, f"{_TRITON38}: 332 B when every block's Q / O rows were 64-bit"),
-        "fwd-d128-bf16-plain": (96, f"{_TRITON38}: 72 B"),
-        "fwd-d128-fp16-plain": (96, f"{_TRITON38}: 80 B"),
-        "fwd-d192-bf16-all": (256, f"{_TRITON38}: 216 B"),
-        "fwd-d256-bf16-all": (256, f"{_TRITON38}: 228 B"),
-        "fwd+paged-d192-bf16-kvcache": (64, f"{_TRITON38}: 32 B"),
-        "fwd+paged-d192-bf16-kvcache-varlen": (128, f"{_TRITON38}: 104 B"),
-    },
-    "3.9": {
-        "fwd-d64-bf16-all": (1696, f"{_TRITON39}: 1656 B"),
-        "fwd+paged-d64-bf16-kvcache": (608, f"{_TRITON39}: 572 B"),
-        "fwd+paged-d64-bf16-kvcache-varlen": (608, f"{_TRITON39}: 580 B"),
-        "fwd-d96-bf16-plain": (256, f"{_TRITON39}: 220 B"),
-        "fwd-d96-bf16-causal": (256, f"{_TRITON39}: 224 B"),
-        "fwd-d96-bf16-all": (416, f"{_TRITON39}: 388 B"),
-        "fwd-d128-bf16-plain": (224, f"{_TRITON39}: 180 B"),
-        "fwd-d128-fp16-plain": (224, f"{_TRITON39}: 180 B"),
-        "fwd-d128-bf16-causal": (256, f"{_TRITON39}: 224 B"),
-        "fwd-d128-bf16-all": (416, f"{_TRITON39}: 388 B"),
-        "fwd-d192-bf16-causal": (352, f"{_TRITON39}: 312 B"),
-        "fwd-d192-bf16-all": (960, f"{_TRITON39}: 920 B"),
-        "fwd-d256-bf16-causal": (352, f"{_TRITON39}: 328 B"),
-        "fwd-d256-bf16-all": (960, f"{_TRITON39}: 920 B"),
-        "bwd_dq-d192-bf16-all": (128, f"{_TRITON39}: 104 B"),
-        "bwd_dq-d256-bf16-all": (128, f"{_TRITON39}: 104 B"),
-        "fwd+paged-d192-bf16-kvcache": (64, f"{_TRITON39}: 40 B"),
-        "fwd+paged-d192-bf16-kvcache-varlen": (64, f"{_TRITON39}: 48 B"),
-    },
-}
-
-
 def spill_budget(job, release: str = None) -> tuple:
     """(bytes, reason) a launch may spill under Triton ``release`` (default: the running
-    one): SPILL_BUDGET_BY_TRITON[release] by id, else SPILL_BUDGET by id, else SPILL_RULES
-    by (variant, head dim), else (0, "")."""
-    from triflash.versions import triton_release
-    by_release = SPILL_BUDGET_BY_TRITON.get(release or triton_release(), {})
+    one): that release's budget by id (tools/triton_budgets.py), else SPILL_BUDGET by id,
+    else SPILL_RULES by (variant, head dim), else (0, "")."""
+    from tools import triton_budgets
+    by_release = triton_budgets.for_release("portable", release)
     if job.id in by_release:
         return by_release[job.id]
     if job.id in SPILL_BUDGET:
