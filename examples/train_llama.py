@@ -11,7 +11,9 @@ precision: fp32 weights and AdamW, the forward under autocast (bf16 on CUDA; fp1
 where Triton's interpreter runs the kernels and its bf16 arithmetic is not faithful).
 --attn sdpa runs transformers' "sdpa" with PyTorch's own backend choice; sdpa-flash,
 sdpa-cudnn, sdpa-efficient and sdpa-math pin one backend (torch.nn.attention.sdpa_kernel),
-and fail if that backend cannot serve the call (e.g. a head dim it lacks).
+and fail if that backend cannot serve the call (e.g. a head dim it lacks). SDPA's
+memory-efficient kernel refuses `enable_gqa`, so with sdpa-efficient transformers repeats the
+K/V heads itself (its path for torch builds without `enable_gqa`).
 
 Writes <out>/train_<attn>.json (args, loss per step, step times, tokens/s after the warmup,
 peak memory, versions, GPU, git commit) and <out>/train_<attn>.png when matplotlib is
@@ -113,6 +115,9 @@ def build_model(args):
         impl = register()
     else:
         impl = "sdpa"
+        if args.attn == "sdpa-efficient" and args.kv_heads < args.heads:
+            from transformers.integrations import sdpa_attention
+            sdpa_attention.use_gqa_in_sdpa = lambda *a, **kw: False  # K/V heads repeated instead
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).to(args.device)
     if args.grad_ckpt:
