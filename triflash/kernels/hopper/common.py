@@ -391,24 +391,25 @@ def launch(kernel, grid, args, num_warps=4):
     in order (the constexprs too). The first call of a specialization runs Triton's JIT (compiling where
     needed), later ones the compiled kernel's launcher alone; launch hooks (profilers) and
     anything the key cannot describe take the JIT every time."""
+    options = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION)
     if not hasattr(kernel, "device_caches") or _hooked(knobs.runtime.launch_enter_hook) \
             or _hooked(knobs.runtime.launch_exit_hook):
-        return kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
+        return kernel[grid](*args, **options)
     spec = _launch_key(args)
     if spec is None:
-        return kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
+        return kernel[grid](*args, **options)
     device = driver.active.get_current_device()
     key = (kernel, device, num_warps, spec)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
+        compiled = kernel[grid](*args, **options)
         if compiled is not None and not hasattr(compiled, "result") and len(args) == len(kernel.params):
             if len(_COMPILED) >= 4096:
                 _COMPILED.clear()
             _COMPILED[key] = compiled
         return compiled
     if VERIFY_LAUNCHES:
-        jit = kernel.run(*args, grid=grid, warmup=True, num_warps=num_warps, enable_fp_fusion=FP_FUSION)
+        jit = kernel.run(*args, grid=grid, warmup=True, **options)
         assert jit is compiled, f"launch key of {kernel.__name__} maps two specializations together"
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                  driver.active.get_current_stream(device), compiled.function,
