@@ -79,7 +79,7 @@ fi
 # 4. Decoding: flash_attn_with_kvcache in K+V TB/s against a copy timed in the same process,
 #    every installed peer (FA3 / FlashInfer skipped when absent): PARTS=decode, a call of its own.
 [[ " $PARTS " == *" decode "* ]] && timeout "${BENCH_TIMEOUT:-560}" python3 -m triflash.bench --preset decode \
-  --commit "$COMMIT" --impls "${DECODE_IMPLS:-triflash,triflash-dense,sdpa-cudnn,sdpa-flash,fa4,fa3,flashinfer}" ${BENCH_ARGS:-} \
+  --commit "$COMMIT" --impls "${DECODE_IMPLS:-triflash,triflash-dense,sdpa-cudnn,sdpa-flash,fa4,fa4-kvcache,fa3,flashinfer}" ${BENCH_ARGS:-} \
   ${DECODE_RESUME:+--resume "$DECODE_RESUME"} --warmup 25 --rep 100 --rounds "${BENCH_ROUNDS:-3}" \
   --out "$OUT_DIR/decode.json" --plot "$OUT_DIR/decode.png" 2>&1 \
   | tee "$OUT_DIR/bench-decode-full.txt" | tail -n 60 | tee "$OUT_DIR/bench-decode.txt"

@@ -397,6 +397,44 @@ def test_decode_impl_names_and_errors():
     assert decode.error_text(KeyError("x")) == "KeyError: 'x'"
 
 
+def test_decode_fa4_kvcache_call_form(monkeypatch):
+    """fa4-kvcache calls FA4's flash_attn_varlen_func over the cache as given: the paged
+    views and page table, per-sequence lengths as seqused_k, FA4's split heuristic
+    (num_splits=0); a prefill over a cache (an append) is refused."""
+    import sys
+    import types
+    import torch
+    from triflash.bench import decode
+    from triflash.bench.decode_cases import DecodeCase
+    calls = []
+
+    def varlen(q, k, v, **kw):
+        calls.append((q, k, v, kw))
+        return torch.zeros_like(q), None
+    fake = types.ModuleType("flash_attn.cute")
+    fake.flash_attn_func, fake.flash_attn_varlen_func = object(), varlen
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake)
+    impl = decode.make_impl("fa4-kvcache")
+    impl.load()
+    assert impl.paged and impl.ragged
+    case = DecodeCase(3, 64, 4, 2, 64, page_size=16, ragged=True, dtype="fp16")
+    assert impl.layout(case) == ("paged", False)
+    x = decode.make_inputs(case, "cpu")
+    out = impl.make(case, x, "cpu")()
+    assert out.shape == x.q.shape
+    q, k, v, kw = calls[-1]
+    assert q is x.q and k.data_ptr() == x.kv_paged.data_ptr() and torch.equal(v, x.kv_paged[:, :, 1])
+    assert kw["seqused_k"] is x.cache_seqlens and kw["page_table"] is x.page_table
+    assert kw["causal"] is True and kw["num_splits"] == 0
+    dense = DecodeCase(2, 64, 4, 2, 64, dtype="fp16")
+    x = decode.make_inputs(dense, "cpu")
+    impl.make(dense, x, "cpu")()
+    q, k, v, kw = calls[-1]
+    assert k is x.k_cache and v is x.v_cache and kw["page_table"] is None
+    assert "append" in impl.unsupported(DecodeCase(1, 40, 4, 2, 64, seqlen_q=24, seqlen_new=24))
+
+
 def test_decode_cpu_run(tmp_path):
     """--preset decode-cpu end to end under the interpreter: every form (dense, paged with page
     sizes 16 and 1, ragged dense and paged, 4 query tokens, a prefill over a cache) checked

@@ -83,7 +83,8 @@ Decoding (``--preset decode``; ``--preset decode-cpu``: tiny cases for the inter
 random permutation, K and V two views of one tensor as vLLM lays them out), ragged lengths,
 4 query tokens, a batch of 256, and one prefill chunk over a cache (2048 new tokens after
 3577 cached) beside ``flash_attn_func`` on the same tokens (``triflash-dense``). Peers:
-``sdpa-cudnn``, ``sdpa-flash``, ``fa4`` (dense caches), ``fa3`` and ``flashinfer`` when
+``sdpa-cudnn``, ``sdpa-flash``, ``fa4`` (dense caches), ``fa4-kvcache`` (FA4's
+``flash_attn_varlen_func`` with ``seqused_k`` and ``page_table``), ``fa3`` and ``flashinfer`` when
 importable (``bench/decode.py``). Each case is measured in K+V bytes read per second
 against a device-to-device copy timed in the same process (``meta.copy_tb_s``); the
 terminal table gives triflash / the best peer and triflash / the copy

@@ -15,6 +15,10 @@ Implementations (``--impls``; each is a ``DecodeImpl``):
                     k/v (b, hkv, len, d) contiguous, enable_gqa=True; one query token only
                     (SDPA's is_causal is top-left aligned)
     fa4             flash_attn.cute's flash_attn_func(q, k, v, causal=True) over the dense cache
+    fa4-kvcache     flash_attn.cute's flash_attn_varlen_func(q, k_cache, v_cache,
+                    seqused_k=cache_seqlens, page_table=..., causal=True, num_splits=0): FA4
+                    over the cache as given (paged, ragged; its split heuristic), the call
+                    a serving engine makes of FA4 on SM90 (no append: decoding rows only)
     fa3             flash_attn_interface.flash_attn_with_kvcache: the case as given (paged,
                     ragged), when importable
     flashinfer      BatchDecodeWithPagedKVCacheWrapper (NHD; a dense cache as one page per
@@ -282,6 +286,36 @@ class FlashAttnDense(DecodeImpl):
         return lambda: _first(f(q, k, v, causal=causal))
 
 
+class FlashAttnKVCache(DecodeImpl):
+    """FA4's flash_attn_varlen_func over the cache as given: per-sequence lengths
+    (``seqused_k``), the page table, and its own split heuristic (``num_splits=0``)."""
+    paged = ragged = True
+
+    def __init__(self, name, modules):
+        from .peers import FlashAttn
+        self.name, self._fa = name, FlashAttn(name, modules, window_none=True)
+
+    def load(self):
+        self._fa.load()
+        self.func = getattr(importlib.import_module(self._fa.module), "flash_attn_varlen_func")
+
+    def version(self):
+        return self._fa.version()
+
+    def unsupported(self, case):
+        if case.seqlen_new:
+            return "no append of new keys (k / v) in flash_attn_varlen_func"
+        return None
+
+    def make(self, case, x, device):
+        f, causal, q, lens = self.func, case.causal, x.q, x.cache_seqlens
+        if case.page_size:
+            kc, vc, pt = x.kv_paged[:, :, 0], x.kv_paged[:, :, 1], x.page_table
+        else:
+            kc, vc, pt = x.k_cache, x.v_cache, None
+        return lambda: _first(f(q, kc, vc, seqused_k=lens, page_table=pt, causal=causal, num_splits=0))
+
+
 class Fa3KVCache(DecodeImpl):
     """flash_attn_interface.flash_attn_with_kvcache (FlashAttention-3): triflash's own API."""
     paged = ragged = True
@@ -349,6 +383,7 @@ def make_impl(name) -> DecodeImpl:
         "sdpa-flash": lambda: Sdpa("sdpa-flash", "FLASH_ATTENTION"),
         "sdpa-math": lambda: Sdpa("sdpa-math", "MATH", devices=("cpu",)),
         "fa4": lambda: FlashAttnDense("fa4", ["flash_attn.cute", "flash_attn.cute.interface"], window_none=True),
+        "fa4-kvcache": lambda: FlashAttnKVCache("fa4-kvcache", ["flash_attn.cute", "flash_attn.cute.interface"]),
         "fa3": Fa3KVCache,
         "flashinfer": FlashInfer,
     }

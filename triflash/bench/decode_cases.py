@@ -27,9 +27,9 @@ ITEMSIZE = {"bf16": 2, "fp16": 2, "fp8": 1}
 FP8_IMPLS = ("triflash", "triflash-dense", "fa3")
 MODES = ("decode", "prefill-cache")
 # The implementations (decode.py), named here for the CLI without importing torch.
-GPU_IMPLS = ("triflash", "triflash-dense", "sdpa-cudnn", "sdpa-flash", "fa4", "fa3", "flashinfer")
+GPU_IMPLS = ("triflash", "triflash-dense", "sdpa-cudnn", "sdpa-flash", "fa4", "fa4-kvcache", "fa3", "flashinfer")
 CPU_IMPLS = ("triflash", "triflash-dense", "sdpa-math")
-ISOLATED_BY_DEFAULT = ("fa4", "fa3", "flashinfer")  # worker processes of their own (isolate.py)
+ISOLATED_BY_DEFAULT = ("fa4", "fa4-kvcache", "fa3", "flashinfer")  # worker processes of their own (isolate.py)
 SUBJECTS = ("triflash", "triflash-dense")  # under test: a failed check sets the exit status
 
 

@@ -3,7 +3,7 @@ as in FlashAttention-3's README figures. matplotlib is optional."""
 import math
 
 MARKERS = "os^vD<>ph*x+"
-IMPL_ORDER = ["triflash", "triflash-portable", "triflash-dense", "fa4", "fa3", "flashinfer", "sdpa-cudnn",
+IMPL_ORDER = ["triflash", "triflash-portable", "triflash-dense", "fa4", "fa4-kvcache", "fa3", "flashinfer", "sdpa-cudnn",
               "sdpa-flash", "sdpa-efficient", "flex", "fa2", "sdpa-math"]
 
 
