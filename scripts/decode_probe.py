@@ -5,8 +5,9 @@ device copy.
     python scripts/decode_probe.py [--cases 0,3] [--configs 64x4x4,32x4x4,...] [--splits 1,4]
                                    [--variant NAME:OLD=>NEW] [--off NAME] [--json PATH]
 
-``--variant``: the decode kernel with one line of its source replaced (a probe of a kernel
-change without a second copy in the library); its rows carry the variant's name. ``--off``:
+``--variant``: the decode kernel with one passage of its source replaced (a backslash-n in OLD
+or NEW stands for a line break; a probe of a kernel change without a second copy in the
+library); its rows carry the variant's name. ``--off``:
 the library with ``decode.NAME`` (a dispatch choice, e.g. ``chained``) answering False; its
 rows carry "no-NAME".
 """
@@ -84,7 +85,7 @@ def variant(spec):
     """The decode module with one source line replaced, as a sibling module (Triton compiles
     from source files)."""
     name, change = spec.split(":", 1)
-    old, new = change.split("=>")
+    old, new = (part.replace("\\n", "\n") for part in change.split("=>"))  # (\n: a line break)
     src = open(decode.__file__).read()
     assert src.count(old) == 1, f"variant {name}: {old!r} found {src.count(old)} times"
     path = os.path.join(os.path.dirname(decode.__file__), f"_probe_{name}.py")
