@@ -89,6 +89,13 @@ class DecodeInputs:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "derived" and getattr(self, f.name) is not None}
 
+    def cache_as_given(self):
+        """(k_cache, v_cache, page_table) as a case gives them to an impl that takes pages:
+        the paged views and their table, or the dense caches and None."""
+        if self.kv_paged is not None:
+            return self.kv_paged[:, :, 0], self.kv_paged[:, :, 1], self.page_table
+        return self.k_cache, self.v_cache, None
+
     def get(self, key, build):
         if key not in self.derived:
             self.derived[key] = build()
@@ -217,10 +224,7 @@ class Triflash(DecodeImpl):
     def make(self, case, x, device):
         f, causal = self.tf.flash_attn_with_kvcache, case.causal
         q, lens, kn, vn = x.q, x.cache_seqlens, x.k_new, x.v_new
-        if case.page_size:
-            kc, vc, pt = x.kv_paged[:, :, 0], x.kv_paged[:, :, 1], x.page_table
-        else:
-            kc, vc, pt = x.k_cache, x.v_cache, None
+        kc, vc, pt = x.cache_as_given()
         return lambda: f(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, page_table=pt, causal=causal)
 
 
@@ -309,10 +313,7 @@ class FlashAttnKVCache(DecodeImpl):
 
     def make(self, case, x, device):
         f, causal, q, lens = self.func, case.causal, x.q, x.cache_seqlens
-        if case.page_size:
-            kc, vc, pt = x.kv_paged[:, :, 0], x.kv_paged[:, :, 1], x.page_table
-        else:
-            kc, vc, pt = x.k_cache, x.v_cache, None
+        kc, vc, pt = x.cache_as_given()
         return lambda: _first(f(q, kc, vc, seqused_k=lens, page_table=pt, causal=causal, num_splits=0))
 
 
@@ -333,10 +334,7 @@ class Fa3KVCache(DecodeImpl):
     def make(self, case, x, device):
         f, causal = self.func, case.causal
         q, lens, kn, vn = x.q, x.cache_seqlens, x.k_new, x.v_new
-        if case.page_size:
-            kc, vc, pt = x.kv_paged[:, :, 0], x.kv_paged[:, :, 1], x.page_table
-        else:
-            kc, vc, pt = x.k_cache, x.v_cache, None
+        kc, vc, pt = x.cache_as_given()
         return lambda: _first(f(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, page_table=pt, causal=causal))
 
 
