@@ -214,6 +214,15 @@ class HopperBwdConfig:
     # 478.2. Dispatched at 64 (a second set of rounds: 434.1 -> 451.7 / 410.7 -> 435.5,
     # probes/bwd-probe-rounds-d64-ac47225.json at fb45c0d).
     dq_lag: bool = False
+    # The K / V tiles of the dK/dV kernel's wgmmas (S^T, dP^T and dQ's K slices) indexed anew
+    # every step through a zero the compiler cannot prove (``hopper.bwd._bwd_step``): the
+    # tiles never change, so their wgmma descriptors are loop-invariant, and LLVM / ptxas
+    # hoist them out of the query-block loop and hold them in registers (two per
+    # descriptor, one per 16-column k-step: 24 descriptors at head dim 128). Built in the
+    # step instead (three integer instructions each), they free those registers: sm_90a
+    # spills of the in-kernel-dQ kernel at 128, triton 3.6 plain / causal 104 / 96 B -> 0 / 0,
+    # 3.8 80 / 388 -> 0 / 112, 3.9 1052 / 1596 -> 0 / 464 (``tools.compile_check --bwd``).
+    fresh_tiles: bool = False
     # (Not kept: ``dq_alt``, the warpgroups taking turns at whole dQ row blocks: slower,
     # docs/performance.md.)
     # (Every tile with the in-kernel dQ: each query block's dQ wgmmas issued before its dK

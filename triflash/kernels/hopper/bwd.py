@@ -107,10 +107,11 @@ class BwdMeta(NamedTuple):
     REG_A: int             # configs.HopperBwdConfig.reg_a
     SPLIT: int             # > 1: the last wave's key tiles in SPLIT pieces (tail_pieces)
     DQ_LAG: bool = False   # the in-kernel dQ one block later
+    FRESH_TILES: bool = False  # the K / V tiles' wgmma descriptors built anew every step (``fresh_tiles``)
 
 
 @gluon.jit
-def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcols0, tma_batch, len_q, len_k,
+def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, keys, qcols0, tma_batch, len_q, len_k,
               scalars, bounds, META: gl.constexpr, MASK: gl.constexpr, C: gl.constexpr):
     """One query block ``m`` of query head ``head`` (ring slot ``it``) for the 64 keys of
     consumer warpgroup ``C``; returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the
@@ -119,7 +120,11 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
     S^T / dP^T wgmmas' A operands, shared tiles or registers (``REG_A``). ``ring``: the
     loader's rings and barriers (``bwd_loader._bwd_loader``); ``dq_io``: (ds_bufs, ds_bars,
     this warpgroup's dq_buf, dq_desc); ``scalars``: the kernel's; ``bounds``: the key
-    block's query block range (m_min, m_full_min, m_full_max, m_max)."""
+    block's query block range (m_min, m_full_min, m_full_max, m_max). ``FRESH_TILES``: the
+    shared K / V tiles indexed anew from ``k_bufs`` / ``v_bufs`` through a zero the compiler
+    cannot prove (``it >> 31``), so that their wgmma descriptors are built in the step
+    instead of hoisted out of the loop and held in registers
+    (``configs.HopperBwdConfig.fresh_tiles``)."""
     q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free = ring
     ds_bufs, ds_bars, dq_buf, dq_desc = dq_io
     qk_scale, softmax_scale, softcap_log2, window_left, window_right = scalars
@@ -142,6 +147,13 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
 
     stage = it % STAGES
     phase = (it // STAGES) & 1
+    fresh = 0
+    if META.FRESH_TILES:
+        fresh = it >> 31  # (it >= 0)
+        if META.REG_A == 0:
+            k_buf = k_bufs.index(C + fresh)
+        if META.REG_A < 2:
+            v_buf = v_bufs.index(C + fresh)
     q_buf = q_ring.index(stage)
     do_buf = do_ring.index(stage)
 
@@ -210,7 +222,7 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
         # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
         # and reduces dQ while dK's wgmma runs (dQ after dK: docs/performance.md, "Tried and
         # not kept").
-        dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM, C, DQ_LAG)
+        dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, fresh, BM, C, DQ_LAG)
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
         dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
         _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
@@ -226,14 +238,15 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, ring, dq_io, dk, dv, keys, qcol
 
 
 @gluon.jit
-def _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, BM: gl.constexpr, C: gl.constexpr, DQ_LAG: gl.constexpr):
+def _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, fresh, BM: gl.constexpr, C: gl.constexpr, DQ_LAG: gl.constexpr):
     """The async dQ wgmmas of step ``it``: with ``DQ_LAG`` those of block it - 1 (both of its
     dS^T tiles are written: waited for before this step's dS^T store), else this block's once
-    both warpgroups' dS^T of ``slot`` are written (``_dq_issue``)."""
+    both warpgroups' dS^T of ``slot`` are written (``_dq_issue``); ``fresh``: 0, opaque
+    with ``FRESH_TILES`` (``_bwd_step``)."""
     if DQ_LAG:
-        return _dq_wgmmas(ds_bufs, k_bufs, it & 3, BM, C)
+        return _dq_wgmmas(ds_bufs, k_bufs, it & 3, fresh, BM, C)
     else:
-        return _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, BM, C)
+        return _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, fresh, BM, C)
 
 
 @gluon.jit
@@ -263,29 +276,30 @@ def _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_buf, dq_desc, tma_batch, steps, pre
                 BM: gl.constexpr, C: gl.constexpr):
     """``DQ_LAG``: the dQ of the CTA's last block (``steps`` blocks in all; in slot steps % 4)."""
     mbarrier.wait(ds_bars.index(steps & 3), (steps >> 2) & 1)
-    dq = warpgroup_mma_wait(0, deps=(_dq_wgmmas(ds_bufs, k_bufs, steps & 3, BM, C),))
+    dq = warpgroup_mma_wait(0, deps=(_dq_wgmmas(ds_bufs, k_bufs, steps & 3, 0, BM, C),))
     if steps > 0:
         _dq_reduce(dq, dq_buf, dq_desc, tma_batch, prev_m, prev_head, C)
 
 
 @gluon.jit
-def _dq_issue(ds_bufs, k_bufs, ds_bars, dslot, duse, BM: gl.constexpr, C: gl.constexpr):
+def _dq_issue(ds_bufs, k_bufs, ds_bars, dslot, duse, fresh, BM: gl.constexpr, C: gl.constexpr):
     """Once both warpgroups' dS^T of ``dslot`` (its use ``duse``) are written: the async
     wgmmas of dQ_m[:, C-th column half] = dS K[:, half] over the CTA's 128 keys, one per
     warpgroup's 64 keys (A = the transposed view of its dS^T tile)."""
     mbarrier.wait(ds_bars.index(dslot), duse & 1)
-    return _dq_wgmmas(ds_bufs, k_bufs, dslot, BM, C)
+    return _dq_wgmmas(ds_bufs, k_bufs, dslot, fresh, BM, C)
 
 
 @gluon.jit
-def _dq_wgmmas(ds_bufs, k_bufs, dslot, BM: gl.constexpr, C: gl.constexpr):
-    """The two async wgmmas of ``_dq_issue`` (both dS^T tiles of ``dslot`` written)."""
+def _dq_wgmmas(ds_bufs, k_bufs, dslot, fresh, BM: gl.constexpr, C: gl.constexpr):
+    """The two async wgmmas of ``_dq_issue`` (both dS^T tiles of ``dslot`` written); K's tiles
+    indexed through ``fresh`` (0; see ``_bwd_step``)."""
     D: gl.constexpr = k_bufs.shape[2]
     DQN: gl.constexpr = D // 2
-    tok = warpgroup_mma(ds_bufs.index(2 * dslot).permute((1, 0)), k_bufs.index(0).slice(C * DQN, DQN, dim=1),
+    tok = warpgroup_mma(ds_bufs.index(2 * dslot).permute((1, 0)), k_bufs.index(fresh).slice(C * DQN, DQN, dim=1),
                         gl.zeros([BM, DQN], gl.float32, _acc_layout(DQN, k_bufs.dtype)), use_acc=False,
                         is_async=True)
-    return warpgroup_mma(ds_bufs.index(2 * dslot + 1).permute((1, 0)), k_bufs.index(1).slice(C * DQN, DQN, dim=1),
+    return warpgroup_mma(ds_bufs.index(2 * dslot + 1).permute((1, 0)), k_bufs.index(1 + fresh).slice(C * DQN, DQN, dim=1),
                          tok, is_async=True)
 
 
@@ -397,7 +411,7 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, META: g
         # throughout.
         for seg in gl.static_range(3):  # unrolled: MASK is a compile-time constant per segment
             for m in range(bounds[seg], bounds[seg + 1]):
-                dk, dv = _bwd_step(base + m, m, head, k_a, v_a, k_bufs, ring,
+                dk, dv = _bwd_step(base + m, m, head, k_a, v_a, k_bufs, v_bufs, ring,
                                    (ds_bufs, ds_bars, dq_bufs.index(C), dq_desc), dk, dv, keys, qcols0,
                                    tma_batch, len_q, len_k, scalars, bounds, META, seg != 1, C)
     if DQ_LAG:
@@ -563,7 +577,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
                    SOFTCAP=params.softcap > 0.0, ATOMIC_DQ=atomic_dq, IS_VARLEN=pb.seq_flags[0],
                    HAS_SEQUSED_Q=pb.seq_flags[1], HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS,
                    CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=q.shape[-1], REG_A=cfg.reg_a_for(params.softcap),
-                   SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq)
+                   SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq, FRESH_TILES=cfg.fresh_tiles)
     return [descriptor(q, BLOCK_M, d), descriptor(k, kr, d), descriptor(v, kr, d), descriptor(dout, BLOCK_M, d),
             descriptor(dk, kr, d), descriptor(dv, kr, d), stat_descriptor(stat), stat_descriptor(delta),
             dk, (dk.stride(1), dk.stride(2)), dv, (dv.stride(1), dv.stride(2)),
