@@ -431,6 +431,37 @@ def test_hopper_bwd_reg_a_same_bits(d, reg_a, mask, shape, monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1, 1, 4, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.option
+def test_hopper_bwd_fresh_tiles_same_bits(d, mask, shape, monkeypatch):
+    """``fresh_tiles`` (the K / V tiles' wgmma descriptors built every step instead of held in
+    registers) moves where addresses are computed, not the products: the gradients' bits
+    equal those without it (deterministic=True: no atomics), with and without softcap."""
+    import dataclasses
+    from triflash.kernels import configs
+    sq, sk, h, hk = shape
+    causal, window, softcap = MASKS[mask]
+    g = torch.Generator(device="cuda").manual_seed(d + sk)
+    q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def run(fresh):
+        tile = 128 if d == 96 else d
+        monkeypatch.setitem(configs.SM90_HOPPER_BWD, tile,
+                            dataclasses.replace(configs.SM90_HOPPER_BWD[tile], fresh_tiles=fresh))
+        with triflash.force_backend("hopper"):
+            out = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                           deterministic=True)
+            return torch.autograd.grad(out, (q, k, v), dout)
+    for name, a, b in zip(("dq", "dk", "dv"), run(False), run(True)):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("d,pieces", [(64, 2), (96, 3), (128, 3), (128, 4)])
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
