@@ -347,8 +347,7 @@ def flipped(cfg, name):
 # 536.0 / 488.3, separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs
 # 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2, dq_lag=True,
-                        fresh_tiles=True),
+    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2, dq_lag=True),
     128: HopperBwdConfig(stages=4, atomic_dq=True, atomic_stages=2, fresh_tiles=True),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
