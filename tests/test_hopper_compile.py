@@ -99,40 +99,37 @@ HOPPER_FWD_SPILL_BUDGET = {
 
 # (feature, head dim) -> spill bytes allowed in the backward's dK/dV kernel, with the reason.
 HOPPER_BWD_SPILL_BUDGET = {
-    # window bounds + the softcap's tanh and its derivative next to the 64 x 128 fp32 dK and
-    # dV accumulators: 180 B measured (bf16); the plain and causal kernels spill nothing.
-    ("window-softcap", 128): 256,
-    # the same at 256 (hopper/bwd256.py), plus the swizzled addressing of the fp32 dP^T
-    # exchange tile that this path keeps: 24 B measured (bf16 and fp16).
+    # At 128 none: the K / V tiles' descriptors are built in each step (fresh_tiles); before,
+    # window + softcap held 180 B beside the 64 x 128 fp32 dK and dV accumulators.
+    # Window bounds + the softcap's tanh and its derivative at 256 (hopper/bwd256.py), plus
+    # the swizzled addressing of the fp32 dP^T exchange tile that this path keeps: 24 B
+    # measured (bf16 and fp16).
     ("window-softcap", 256): 64,
 }
 
 # The same with the in-kernel dQ (atomic_dq) at 128: its 64 x 64 fp32 dQ accumulator and the
-# descriptor / coordinates of the reduce next to dK and dV; measured (bf16 and fp16) at
-# 9878a6e: plain 104 B, causal 96 B, window + softcap 636 B, almost all of it outside the
-# query-block loop (prologue stores, epilogue loads). It ran 1.10x / 1.15x the separate-dQ
-# backward (`benchmarks/results/probes/bwd-probe-speed-d128-atomic_dq1-stages2-9878a6e.json`
-# at fb45c0d). With dQ's wgmmas before dK's (every tile): plain 52 B, causal 96 B, window +
-# softcap 528 B.
+# descriptor / coordinates of the reduce next to dK and dV. With the K / V descriptors built
+# in each step (fresh_tiles) plain and causal spill nothing, window + softcap 60 B (bf16 and
+# fp16); held across the loop they spilled 104 / 96 / 636 B (the wgmma descriptors,
+# two registers each, hoisted out of the query-block loop).
 # At 64 with the dQ one block later (dq_lag, dispatched there): plain and causal
 # spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
 # to the window bounds and the tanh terms).
 HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
     ("window-softcap", 64): 64,
-    ("plain", 128): 128,
-    ("causal", 128): 128,
-    ("window-softcap", 128): 704,
+    ("window-softcap", 128): 96,
 }
-# The same kernels splitting the last wave (``hopper.bwd.tail_pieces``, 4 pieces; plain only): 32 B at 64
-# and 52 B at 128 measured, the piece's range and slot computed at entry (the 64 kernel with
-# 4 pieces ran 1.4% and 6% faster than without the split in interleaved rounds,
-# `benchmarks/results/probes/bwd-probe-rounds-d64-split-*.json` at fb45c0d).
-HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32, ("plain", 128): 128}
+# The same kernels splitting the last wave (``hopper.bwd.tail_pieces``, 4 pieces; plain
+# only): 32 B at 64 measured (52 B at 128 before fresh_tiles, none since), the piece's range
+# and slot computed at entry (the 64 kernel with 4 pieces ran 1.4% and 6% faster than
+# without the split in interleaved rounds, `benchmarks/results/probes/bwd-probe-rounds-d64-
+# split-*.json` at fb45c0d).
+HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32}
 # The in-kernel dQ one block later (dq_lag, dispatched at 64), bf16: 64 spills
-# nothing (window + softcap 56 B); 128 plain 88 B (none inside the query-block loops,
-# SASS), causal 500 B (some in them: 12-15 spill instructions per masked block of one
-# warpgroup). With dQ's wgmmas before dK's (every tile) 128 plain 52 B, causal 668 B.
-HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {("plain", 128): 128, ("causal", 128): 704}
+# nothing (window + softcap 56 B); 128 with its K / V descriptors built in each step
+# (fresh_tiles) nothing either (before: plain 88 B, causal 500 B, some of it inside the
+# masked blocks' loop).
+HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {}
 # The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128, and at 256
 # without a mask: 256 spills nothing there), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key

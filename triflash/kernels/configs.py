@@ -220,8 +220,12 @@ class HopperBwdConfig:
     # hoist them out of the query-block loop and hold them in registers (two per
     # descriptor, one per 16-column k-step: 24 descriptors at head dim 128). Built in the
     # step instead (three integer instructions each), they free those registers: sm_90a
-    # spills of the in-kernel-dQ kernel at 128, triton 3.6 plain / causal 104 / 96 B -> 0 / 0,
-    # 3.8 80 / 388 -> 0 / 112, 3.9 1052 / 1596 -> 0 / 464 (``tools.compile_check --bwd``).
+    # spills of the in-kernel-dQ kernel at 128, triton 3.6 plain / causal / window + softcap
+    # 104 / 96 / 636 B -> 0 / 0 / 60, 3.9 960 / 1596 / 1844 -> 0 / 128 / 104
+    # (``tools.compile_check --bwd``). Dispatched at 128: on an H100, 536.6 -> 554.3 /
+    # 501.2 -> 503.9 TFLOPS (deterministic 482.0 -> 508.3 / 459.4 -> 460.6); not at 64,
+    # where it spilled nothing to begin with and measured 467.7 -> 450.3 / 450.5 -> 448.1
+    # (benchmarks/results/h100-bwd-fresh-tiles-de1a088.json).
     fresh_tiles: bool = False
     # (Not kept: ``dq_alt``, the warpgroups taking turns at whole dQ row blocks: slower,
     # docs/performance.md.)
