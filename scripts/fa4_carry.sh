@@ -26,8 +26,7 @@ rm -rf .fa4/unpacked "$big" .fa4/libs-cu13.tar.xz
 du -sh .whl .fa4/part-*
 cat <<'MSG'
 Device calls (the second within 30 s of the first, same machine; the tree travels with each
-call, so tracked files must stay under ~3.5 MB beside the 63.5 MB tarball: older runs keep
-their JSON only). Used at bb86392 (benchmarks/NOTES.md at fb45c0d, section bb86392):
+call beside one part of ~34 MB). Used at 15a7781:
   1. carry [".whl", ".fa4/part-aa"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
        --target /tmp/site .whl/*.whl && mkdir -p /tmp/fa4 && cp .fa4/part-aa /tmp/fa4/
        (plus anything that needs no FA4, e.g. PARTS=tests bash scripts/gpu_run.sh COMMIT $OUT)
