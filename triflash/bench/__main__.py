@@ -323,12 +323,7 @@ def run_cases(cases, impls, args, device, skipped, on_case=None, done=None):
             for rows in rows_by_impl.values():
                 _derive(rows, case)
         del rows_by_impl, timers_by_impl
-        for impl in impls:
-            if isinstance(impl, Isolated) and impl.name not in skipped:
-                try:
-                    impl.end_case()
-                except RuntimeError as e:  # its worker died: no later case for it
-                    skipped[impl.name] = str(e).splitlines()[0][:300]
+        _end_case(impls, skipped)
         results += case_rows
         if case_rows:
             progress.write("\n" + report.detail_table(case_rows) + "\n")
@@ -338,6 +333,17 @@ def run_cases(cases, impls, args, device, skipped, on_case=None, done=None):
             on_case(results)
     progress.close()
     return results
+
+
+def _end_case(impls, skipped):
+    """Ends the case in each worker process (``Isolated``); an impl whose worker died is
+    ``skipped`` (impl name -> reason) from then on."""
+    for impl in impls:
+        if isinstance(impl, Isolated) and impl.name not in skipped:
+            try:
+                impl.end_case()
+            except RuntimeError as e:  # its worker died: no later case for it
+                skipped[impl.name] = str(e).splitlines()[0][:300]
 
 
 DECODE_IGNORED = ("total_tokens", "seqlen_k", "nheads_kv", "headdim_v", "window", "only_seqlens")
@@ -466,12 +472,7 @@ def run_decode_cases(cases, impls, args, device, skipped, on_case=None, done=Non
                 for row in rows.values():
                     D.derive(row, case)
         del rows_by_impl, timers_by_impl
-        for impl in impls:
-            if isinstance(impl, Isolated) and impl.name not in skipped:
-                try:
-                    impl.end_case()
-                except RuntimeError as e:  # its worker died: no later case for it
-                    skipped[impl.name] = str(e).splitlines()[0][:300]
+        _end_case(impls, skipped)
         results += case_rows
         if case_rows:
             progress.write("\n" + report.decode_detail_table(case_rows) + "\n")
