@@ -78,7 +78,8 @@ from .bwd_loader import _bwd_loader, _loader_barriers
 from .bwd_stats import BLOCK_M, stats  # (BLOCK_M: query rows per streamed Q / dO tile)
 from .common import (CONSUMER_REGS, LOADER_REGS, Problem, _acc_layout, _key_tile_at, _store_rows, _tma_view,
                      a_operand, descriptor, kernel_head_dim, launch, num_sms, planned_launch,
-                     stat_descriptor, tma_compatible, tma_reduce_add, tma_store, to_16bit)
+                     opaque_zero, stat_descriptor, tma_compatible, tma_reduce_add, tma_store,
+                     to_16bit)
 
 ROWS_PER_CONSUMER = 64   # keys per consumer warpgroup (wgmma M)
 NUM_CONSUMERS = 2        # consumer warpgroups
@@ -122,7 +123,7 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, ke
     this warpgroup's dq_buf, dq_desc); ``scalars``: the kernel's; ``bounds``: the key
     block's query block range (m_min, m_full_min, m_full_max, m_max). ``FRESH_TILES``: the
     shared K / V tiles indexed anew from ``k_bufs`` / ``v_bufs`` through a zero the compiler
-    cannot prove (``it >> 31``), so that their wgmma descriptors are built in the step
+    cannot prove (``common.opaque_zero``), so that their wgmma descriptors are built in the step
     instead of hoisted out of the loop and held in registers
     (``configs.HopperBwdConfig.fresh_tiles``)."""
     q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, free = ring
@@ -149,7 +150,7 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, ke
     phase = (it // STAGES) & 1
     fresh = 0
     if META.FRESH_TILES:
-        fresh = it >> 31  # (it >= 0)
+        fresh = opaque_zero(it)
         if META.REG_A == 0:
             k_buf = k_bufs.index(C + fresh)
         if META.REG_A < 2:
@@ -182,8 +183,7 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, ke
     if MASK:
         # common.visible on (key - query) differences, compared with scalars: the per-element
         # thresholds (query + shift + right ...) would otherwise be hoisted out of the loop.
-        # (m >> 31 is 0 but opaque to LLVM, see the dQ addresses below.)
-        diff = gl.expand_dims(keys - (m + (m >> 31)) * BM, 1) - gl.expand_dims(qcols0, 0)
+        diff = gl.expand_dims(keys - (m + opaque_zero(m)) * BM, 1) - gl.expand_dims(qcols0, 0)
         ok = gl.expand_dims(keys < len_k, 1)
         if HAS_RIGHT:
             ok = ok & (diff <= len_k - len_q + window_right)
@@ -299,8 +299,8 @@ def _dq_wgmmas(ds_bufs, k_bufs, dslot, fresh, BM: gl.constexpr, C: gl.constexpr)
     tok = warpgroup_mma(ds_bufs.index(2 * dslot).permute((1, 0)), k_bufs.index(fresh).slice(C * DQN, DQN, dim=1),
                         gl.zeros([BM, DQN], gl.float32, _acc_layout(DQN, k_bufs.dtype)), use_acc=False,
                         is_async=True)
-    return warpgroup_mma(ds_bufs.index(2 * dslot + 1).permute((1, 0)), k_bufs.index(1 + fresh).slice(C * DQN, DQN, dim=1),
-                         tok, is_async=True)
+    return warpgroup_mma(ds_bufs.index(2 * dslot + 1).permute((1, 0)),
+                         k_bufs.index(1 + fresh).slice(C * DQN, DQN, dim=1), tok, is_async=True)
 
 
 @gluon.jit

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..common import ceil_div, tanh
 from .bwd_loader import _bwd_loader, _loader_barriers
 from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _key_tile, _tma_view, a_operand, descriptor,
-                     kernel_head_dim, planned_launch, stat_descriptor, tma_store, to_16bit)
+                     kernel_head_dim, opaque_zero, planned_launch, stat_descriptor, tma_store, to_16bit)
 
 BLOCK_N = 64   # keys per CTA (wgmma M of S^T / dP^T / dK / dV)
 BLOCK_M = 64   # query rows per streamed tile
@@ -145,7 +145,7 @@ def _wg_scores(kv, ring, xchg, dkv_out, seq, bounds, scalars, META: gl.constexpr
                     p = gl.exp2(s * qk_scale - lse)
                 if seg != 1:
                     # as in bwd.py: (key - query) differences against scalar thresholds
-                    diff = gl.expand_dims(keys - (m + (m >> 31)) * BM, 1) - gl.expand_dims(qcols0, 0)
+                    diff = gl.expand_dims(keys - (m + opaque_zero(m)) * BM, 1) - gl.expand_dims(qcols0, 0)
                     ok = gl.expand_dims(keys < len_k, 1)
                     if HAS_RIGHT:
                         ok = ok & (diff <= len_k - len_q + window_right)

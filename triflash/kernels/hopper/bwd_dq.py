@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common import ceil_div, tanh, visible
 from .common import (CONSUMER_REGS, LOADER_REGS, _acc_layout, _seq_query_tile, _store_query_tile, _tma_view,
-                     descriptor, kernel_head_dim, planned_launch, stat_row0, tma_load, to_16bit)
+                     descriptor, kernel_head_dim, opaque_zero, planned_launch, stat_row0, tma_load, to_16bit)
 
 ROWS_PER_CONSUMER = 64
 NUM_CONSUMERS = 2  # consumer warpgroups
@@ -132,7 +132,7 @@ def _dq_step(it, n, smem, dq, lse, delta, rows, cols0, len_q, len_k, scalars, se
         # dO and the one V slot each step instead of hoisting them out of the loop in
         # registers (64-key tiles at head dim 256: 1.4 KB of spills, 60 spill loads / stores
         # per step, -> none).
-        slot = CID + (it & (seqlen_q >> 31))
+        slot = CID + (it & opaque_zero(seqlen_q))
     q_buf = q_bufs.index(slot)
     do_buf = do_bufs.index(slot)
     BM: gl.constexpr = q_buf.shape[0]

@@ -53,6 +53,16 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def opaque_zero(x):
+    """0 for a non-negative int32 ``x`` (its sign bit), which the compiler cannot prove. Added
+    to a loop-invariant value inside a loop it keeps LLVM / ptxas from hoisting what depends
+    on it out of the loop and holding it in registers across it: shared tiles' wgmma
+    descriptors (``HopperBwdConfig.fresh_tiles``; the dQ kernel's Q / dO / V slots) and the
+    mask's per-element thresholds."""
+    return x >> 31
+
+
+@gluon.jit
 def to_16bit(x, dtype: gl.constexpr):
     """fp32 ``x`` -> ``dtype`` (bf16 / fp16), round to nearest even, two at a time
     (``cvt.rn.{bf16,f16}x2.f32``, consecutive elements of a thread into one register, the
