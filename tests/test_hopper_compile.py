@@ -109,16 +109,14 @@ HOPPER_BWD_SPILL_BUDGET = {
 
 # The same with the in-kernel dQ (atomic_dq) at 128: its 64 x 64 fp32 dQ accumulator and the
 # descriptor / coordinates of the reduce next to dK and dV. With the K / V descriptors built
-# in each step (fresh_tiles) plain and causal spill nothing, window + softcap 60 B (bf16 and
-# fp16); held across the loop they spilled 104 / 96 / 636 B (the wgmma descriptors,
-# two registers each, hoisted out of the query-block loop).
+# in each step (fresh_tiles) and the dQ one block later (dq_lag) nothing spills (bf16 and
+# fp16; without dq_lag window + softcap spilled 60 B); with the descriptors held across the
+# loop 104 / 96 / 636 B (the wgmma descriptors, two registers each, hoisted out of the
+# query-block loop).
 # At 64 with the dQ one block later (dq_lag, dispatched there): plain and causal
 # spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
 # to the window bounds and the tanh terms).
-HOPPER_BWD_ATOMIC_SPILL_BUDGET = {
-    ("window-softcap", 64): 64,
-    ("window-softcap", 128): 96,
-}
+HOPPER_BWD_ATOMIC_SPILL_BUDGET = {("window-softcap", 64): 64}
 # The same kernels splitting the last wave (``hopper.bwd.tail_pieces``, 4 pieces; plain
 # only): 32 B at 64 measured (52 B at 128 before fresh_tiles, none since), the piece's range
 # and slot computed at entry (the 64 kernel with 4 pieces ran 1.4% and 6% faster than
