@@ -107,15 +107,13 @@ HOPPER_BWD_SPILL_BUDGET = {
     ("window-softcap", 256): 64,
 }
 
-# The same with the in-kernel dQ (atomic_dq) at 128: its 64 x 64 fp32 dQ accumulator and the
-# descriptor / coordinates of the reduce next to dK and dV. With the K / V descriptors built
-# in each step (fresh_tiles) and the dQ one block later (dq_lag) nothing spills (bf16 and
-# fp16; without dq_lag window + softcap spilled 60 B); with the descriptors held across the
-# loop 104 / 96 / 636 B (the wgmma descriptors, two registers each, hoisted out of the
-# query-block loop).
-# At 64 with the dQ one block later (dq_lag, dispatched there): plain and causal
-# spill nothing, window + softcap 56 B (bf16 and fp16; the four dS^T slots' indices next
-# to the window bounds and the tanh terms).
+# The same with the in-kernel dQ (atomic_dq), each block's dQ one block later: at 128 its
+# 64 x 64 fp32 dQ accumulator and the descriptor / coordinates of the reduce next to dK and
+# dV. With the K / V descriptors built in each step (fresh_tiles) nothing spills (bf16 and
+# fp16; with the dQ in its own block window + softcap spilled 60 B); with the descriptors
+# held across the loop 104 / 96 / 636 B (the wgmma descriptors, two registers each, hoisted
+# out of the query-block loop). At 64 plain and causal spill nothing, window + softcap 44 B
+# (bf16 and fp16; the four dS^T slots' indices next to the window bounds and the tanh terms).
 HOPPER_BWD_ATOMIC_SPILL_BUDGET = {("window-softcap", 64): 64}
 # The same kernels splitting the last wave (``hopper.bwd.tail_pieces``, 4 pieces; plain
 # only): 32 B at 64 measured (52 B at 128 before fresh_tiles, none since), the piece's range
@@ -123,11 +121,6 @@ HOPPER_BWD_ATOMIC_SPILL_BUDGET = {("window-softcap", 64): 64}
 # without the split in interleaved rounds, `benchmarks/results/probes/bwd-probe-rounds-d64-
 # split-*.json` at fb45c0d).
 HOPPER_BWD_SPLIT_SPILL_BUDGET = {("plain", 64): 32}
-# The in-kernel dQ one block later (dq_lag, dispatched at 64), bf16: 64 spills
-# nothing (window + softcap 56 B); 128 with its K / V descriptors built in each step
-# (fresh_tiles) nothing either (before: plain 88 B, causal 500 B, some of it inside the
-# masked blocks' loop).
-HOPPER_BWD_DQ_LAG_SPILL_BUDGET = {}
 # The forward with O rescaled before P V is issued (rescale_early, dispatched at 64 / 128, and at 256
 # without a mask: 256 spills nothing there), bf16: at
 # 64 the unmasked persistent walk (two Q slots) spills 200 B (6 loads and stores per key
@@ -318,9 +311,8 @@ def test_tile_variants_compile_for_sm90a():
     the head-dim-256 dK/dV kernel with K / V
     read from shared memory (``reg_a`` 0; the dispatched kernel's is 1). (The head-dim-64 dK/dV
     kernel's ``reg_a`` 2 and the head-dim-128 forward's ``q_regs`` are dispatched: the tests
-    above compile them in every form.) The 64 / 128
-    dK/dV kernel with ``dq_lag`` flipped from the dispatched value; the
-    forward with each row's max of S by a tree
+    above compile them in every form.) The head-dim-256 dQ kernel of a dense batch with
+    32-key tiles (``dq_split_v`` off); the forward with each row's max of S by a tree
     (``tree_max``), and at 256 the persistent walk of unmasked
     tiles (``persistent_unmasked``, one Q slot), at 128 / 256 the walk without the split tail
     (``split_keys``): each flipped from its dispatched value (``configs.flipped``)."""
@@ -331,16 +323,11 @@ def test_tile_variants_compile_for_sm90a():
     assert {(r["headdim"], r["feature"]) for r in rows if r.get("rescale_early")} == {
         (d, f) for d in (64, 128, 256) for f in ("plain", "causal")}
     assert {(r["headdim"], r["feature"], r["option"]) for r in rows if r.get("option")} == {
-        (d, f, f"{o}={int(not getattr(configs.SM90_HOPPER_BWD[d], o))}") for o in ("dq_lag",)
-        for d in (64, 128) for f in ("plain", "causal")} | {(256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
+        (256, f, "dq_split_v=0") for f in ("plain", "causal")} | {
         (d, f, f"{o}={configs.flipped(configs.SM90_HOPPER_FWD[d], o)}")
         for d, o in compile_check.FWD_FLIPPED for f in ("plain", "causal")}
     for r in rows:
-        if r.get("dq_lag"):
-            budget = HOPPER_BWD_DQ_LAG_SPILL_BUDGET
-        elif r["kernel"] == "hopper_bwd":  # the in-kernel dQ's budget
-            budget = HOPPER_BWD_ATOMIC_SPILL_BUDGET
-        elif r["kernel"] == "hopper_fwd":
+        if r["kernel"] == "hopper_fwd":
             budget = HOPPER_FWD_3WG_SPILL_BUDGET if r.get("num_consumers") == 3 else HOPPER_FWD_SPILL_BUDGET
             if r.get("rescale_early"):
                 budget = {**budget, **HOPPER_FWD_RESCALE_EARLY_SPILL_BUDGET}

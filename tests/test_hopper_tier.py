@@ -347,27 +347,16 @@ def test_hopper_fwd_rescale_threshold_rising_max(when, d, mask, sk, monkeypatch)
     assert_forward_matches(out, lse, ref, lse_ref, pt, softcap)
 
 
-# Backward options (HopperBwdConfig), each flipped from its dispatched value: ``dq_lag``
-# (each query block's dQ added one block later, four dS^T slots, a zero block first;
-# dispatched at 64).
-BWD_DQ_OPTIONS = ("dq_lag",)
-
-
 @pytest.mark.parametrize("shape", [(113, 203, 8, 2), (777, 2048, 8, 4), (1000, 1000, 6, 1), (1, 1, 4, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("option,d", [(o, d) for o in BWD_DQ_OPTIONS for d in (64, 128)])
-@pytest.mark.option
-def test_hopper_bwd_dq_option(option, d, mask, shape, monkeypatch):
-    """A backward option (``BWD_DQ_OPTIONS``) flipped from its dispatched value, against the fp32
-    reference (the dispatched tiles are tested everywhere else): GQA / MQA groups (the
-    block before a head's first is the last of the head before; the turns run on across a
-    group's heads), key tiles no query block visits (777 x 2048, left window), an odd count
-    of blocks, a single block."""
-    import dataclasses
-    from triflash.kernels import configs
-    cfg = configs.SM90_HOPPER_BWD[d]
-    monkeypatch.setitem(configs.SM90_HOPPER_BWD, d, dataclasses.replace(cfg, **{option: not getattr(cfg, option)}))
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_bwd_dq_one_block_later(d, mask, shape):
+    """The in-kernel dQ (head dims 64 / 128, deterministic=False) adds each query block's dQ
+    one block later (four dS^T slots, a zero block first, the last block's after the loop),
+    against the fp32 reference: GQA / MQA groups (the block before a head's first is the
+    last of the head before; the turns run on across a group's heads), key tiles no query
+    block visits (777 x 2048, left window), an odd count of blocks, a single block."""
     sq, sk, h, hk = shape
     causal, window, softcap = MASKS[mask]
     with triflash.force_backend("hopper"):

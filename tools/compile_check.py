@@ -167,8 +167,6 @@ def compile_bwd(headdim: int, dtype: str, feature: str, atomic_dq: bool = False,
     pb, (q, k, v, do, _, dk, dv), stat, delta, p = _backward(headdim, dtype, feature, varlen)
     row = dict(headdim=headdim, dtype=dtype, feature=feature, atomic_dq=atomic_dq,
                stages=cfg.atomic_stages if atomic_dq else cfg.stages)
-    if cfg.dq_lag and atomic_dq:
-        row["dq_lag"] = True
     if varlen:
         row["varlen"] = True
     if kernel_head_dim(headdim) in B.SPLIT_D_HEAD_DIMS:
@@ -257,9 +255,8 @@ def all_variants():
     """Tile options the dispatch does not use, bf16: the head-dim-256 dK/dV kernel with K / V
     read from shared memory (``reg_a`` 0). Every
     row's ``scalar_cvt`` counts the one-at-a-time conversions, ``mufu_ex2`` the exponentials
-    left to the MUFU. Also the 64 / 128 dK/dV kernel with ``dq_lag`` (its dQ one block later)
-    flipped from the dispatched value (row key ``option``), the head-dim-256 dQ kernel of a dense batch with 32-key tiles sharing K's
-    and V's slots (``dq_split_v`` off), and the forward rescaling O before P V
+    left to the MUFU. Also (row key ``option``) the head-dim-256 dQ kernel of a dense batch
+    with 32-key tiles sharing K's and V's slots (``dq_split_v`` off), and the forward rescaling O before P V
     (``rescale_early``) and with its row max by a tree (``tree_max``)."""
     import dataclasses
 
@@ -271,14 +268,6 @@ def all_variants():
             rows.append(dict(compile_fwd(d, "bf16", f, cfg=dataclasses.replace(configs.SM90_HOPPER_FWD[d],
                                                                                 rescale_early=True)),
                              rescale_early=True))
-    # the 64 / 128 dK/dV kernel with the in-kernel dQ one block later (dq_lag) flipped
-    for opt in ("dq_lag",):
-        for d in (64, 128):
-            c = configs.SM90_HOPPER_BWD[d]
-            value = not getattr(c, opt)
-            for f in ("plain", "causal"):
-                rows.append(dict(compile_bwd(d, "bf16", f, True, cfg=dataclasses.replace(c, **{opt: value})),
-                                 option=f"{opt}={int(value)}"))
     for f in ("plain", "causal"):  # the head-dim-256 dQ kernel of a dense batch without dq_split_v
         rows.append(dict(compile_dq(256, "bf16", f, b256.dq_block_n), option="dq_split_v=0"))
     # the forward with each of these flipped from its dispatched value (configs.flipped):

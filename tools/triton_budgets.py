@@ -48,8 +48,7 @@ BY_TRITON: Dict[str, Dict[str, dict]] = {
         },
         "hopper": {
             "HOPPER_BWD_SPILL_BUDGET": {("causal", 256): 96},  # 76 B
-            "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 128, ("window-softcap", 128): 128},  # 112, 84 B
-            "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("causal", 128): 32},  # 8 B
+            "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 32},  # 8 B
         },
         # the dense form at head dim 256: 32 B (16 B under 3.6); not timed
         "decode": {"d256-dense": 64},
@@ -77,8 +76,7 @@ BY_TRITON: Dict[str, Dict[str, dict]] = {
             "HOPPER_FWD_VARLEN_SPILL_BUDGET": {("plain", 128): 1024},  # 968 B (976 B at 96)
             # dK/dV under the causal mask at 256: 68 B dense, 44 B varlen
             "HOPPER_BWD_SPILL_BUDGET": {("causal", 256): 128},
-            "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 128},  # 112 B
-            "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("causal", 128): 32},  # 8 B
+            "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("causal", 128): 32},  # 8 B
         },
     },
     # Triton 3.9 (ptxas 13.4 for sm_90 with --regAllocOptLevel=2, and its dummy moves before
@@ -124,9 +122,8 @@ BY_TRITON: Dict[str, Dict[str, dict]] = {
             "HOPPER_BWD_SPILL_BUDGET": {("plain", 256): 96, ("causal", 256): 224,  # 80, 192 B
                                         ("window-softcap", 256): 256},  # 228 B
             "HOPPER_BWD_ATOMIC_SPILL_BUDGET": {("window-softcap", 64): 224,  # 204 B
-                                               ("causal", 128): 160, ("window-softcap", 128): 128},  # 128, 104 B
+                                               ("causal", 128): 96, ("window-softcap", 128): 96},  # 68, 76 B
             "HOPPER_BWD_SPLIT_SPILL_BUDGET": {("plain", 64): 352},  # 320 B
-            "HOPPER_BWD_DQ_LAG_SPILL_BUDGET": {("causal", 128): 96},  # 68 B
             "HOPPER_DQ_SPILL_BUDGET": {("plain", 256): 32, ("causal", 256): 128},  # 16, 92 B
         },
         # the fp8 paged form at pages of 64: 24 B (none under 3.6 and 3.8); not timed

@@ -204,19 +204,11 @@ class HopperBwdConfig:
     # CTAs each run as ``hopper.bwd.tail_pieces`` CTAs over parts of their query blocks
     # where it says that pays, storing fp32 dK / dV that a small kernel sums and writes out;
     # never splitting: docs/performance.md.)
-    # With the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued one block later
-    # (four dS^T slots, the first step's dQ that of a zero block), so that a warpgroup
-    # waits for the other's dS^T of the block before, not of this one: the two warpgroups
-    # are no longer held in step at every block (their exponentials at the same time, the
-    # tensor cores idle). Measured (off -> on, beside cuDNN,
-    # probes/bwd-probe-rounds-d{64,128}-23cee87.json at fb45c0d): 64 2x8192x32 434.7 ->
-    # 450.6 / 408.6 -> 435.5 (cuDNN 434.8 / 400.6); 128 2x8192x16 534.4 -> 522.1 / 498.9 ->
-    # 478.2. Dispatched at 64 (a second set of rounds: 434.1 -> 451.7 / 410.7 -> 435.5,
-    # probes/bwd-probe-rounds-d64-ac47225.json at fb45c0d). At 128 it spilled then (88 /
-    # 500 B); with fresh_tiles it spills nothing and, on an H100, 543.4 -> 565.7 / 498.5 ->
-    # 512.5 in five rounds (3 rounds: 544.8 -> 565.7 / 510.5 -> 513.6;
-    # benchmarks/results/h100-bwd-options-c126df4.json): dispatched at 128 too.
-    dq_lag: bool = False
+    # (Every tile with the in-kernel dQ (atomic_dq): each query block's dQ wgmmas issued one
+    # block later, ``hopper.bwd._bwd_step``, so that the two warpgroups are not held in step at
+    # every block; issued in their own block (the option ``dq_lag`` off) at 64 434.7 -> 450.6 /
+    # 408.6 -> 435.5 and, since fresh_tiles, at 128 on an H100 543.4 -> 565.7 / 498.5 -> 512.5:
+    # docs/performance.md.)
     # The K / V tiles of the dK/dV kernel's wgmmas (S^T, dP^T and dQ's K slices) indexed anew
     # every step through a zero the compiler cannot prove (``hopper.bwd._bwd_step``): the
     # tiles never change, so their wgmma descriptors are loop-invariant, and LLVM / ptxas
@@ -354,8 +346,8 @@ def flipped(cfg, name):
 # 536.0 / 488.3, separate dQ kernel (4-deep) 483.8 / 459.7; 64 (4-deep) 421.6 / 404.8 vs
 # 404.8 / 391.4.
 SM90_HOPPER_BWD = {
-    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2, dq_lag=True),
-    128: HopperBwdConfig(stages=4, atomic_dq=True, atomic_stages=2, fresh_tiles=True, dq_lag=True),
+    64: HopperBwdConfig(stages=4, dq_block_n=128, atomic_dq=True, atomic_stages=4, reg_a=2),
+    128: HopperBwdConfig(stages=4, atomic_dq=True, atomic_stages=2, fresh_tiles=True),
     # dK/dV by hopper/bwd256.py (64 keys per CTA, the head-dim axis split over the two
     # consumer warpgroups, dS^T by the dP^T warpgroup: 214512 B shared) + the Gluon dQ
     # kernel with 32-key tiles (64-key tiles for dense batches, V in one slot of its own:

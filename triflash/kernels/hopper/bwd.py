@@ -107,7 +107,6 @@ class BwdMeta(NamedTuple):
     HEAD_DIM: int          # the tensors' head dim (96: computed as 128)
     REG_A: int             # configs.HopperBwdConfig.reg_a
     SPLIT: int             # > 1: the last wave's key tiles in SPLIT pieces (tail_pieces)
-    DQ_LAG: bool = False   # the in-kernel dQ one block later
     FRESH_TILES: bool = False  # the K / V tiles' wgmma descriptors built anew every step (``fresh_tiles``)
 
 
@@ -116,8 +115,9 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, ke
               scalars, bounds, META: gl.constexpr, MASK: gl.constexpr, C: gl.constexpr):
     """One query block ``m`` of query head ``head`` (ring slot ``it``) for the 64 keys of
     consumer warpgroup ``C``; returns (dk, dv). With ``ATOMIC_DQ`` also its columns of the
-    block's dQ, or with ``DQ_LAG`` those of the block before (the previous query block of
-    this head, or the last, ``m_max`` - 1, of the head before). ``k_buf`` / ``v_buf``: the
+    dQ of the block before (the previous query block of this head, or the last, ``m_max`` -
+    1, of the head before): one block later, so that a warpgroup waits for the other's dS^T
+    of the block before, not of this one, and the two are not held in step at every block. ``k_buf`` / ``v_buf``: the
     S^T / dP^T wgmmas' A operands, shared tiles or registers (``REG_A``). ``ring``: the
     loader's rings and barriers (``bwd_loader._bwd_loader``); ``dq_io``: (ds_bufs, ds_bars,
     this warpgroup's dq_buf, dq_desc); ``scalars``: the kernel's; ``bounds``: the key
@@ -135,7 +135,6 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, ke
     HAS_RIGHT: gl.constexpr = META.HAS_RIGHT
     SOFTCAP: gl.constexpr = META.SOFTCAP
     ATOMIC_DQ: gl.constexpr = META.ATOMIC_DQ
-    DQ_LAG: gl.constexpr = META.DQ_LAG
     KR: gl.constexpr = k_buf.shape[0]
     D: gl.constexpr = k_buf.shape[1]
     BM: gl.constexpr = q_ring.shape[1]
@@ -202,30 +201,25 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, ke
     dp = warpgroup_mma_wait(1, deps=(dp_tok,))
     ds = to_16bit(p * dp, dtype)  # dS^T = P^T (dP^T - Delta)
     if ATOMIC_DQ:
-        if DQ_LAG:
-            # Four slots, block it in slot (it + 1) % 4 (slot 0 holds the zeros of a block
-            # before the first, ``_dq_lag_start``). Once both warpgroups wrote block it - 1,
-            # each has finished block it - 2 and with it the dQ wgmmas of block it - 3, the
-            # last reads of the slot written here (three slots would do; four index by bits).
-            mbarrier.wait(ds_bars.index(it & 3), (it >> 2) & 1)
-            slot = (it + 1) & 3
-        else:
-            # dS^T to this warpgroup's tile of shared slot it & 1, for both warpgroups' dQ
-            # wgmmas (``ds_bars`` 0 / 1: the slot written by both). A warpgroup writes slot
-            # it & 1 only after both arrived for block it - 1, which each does after its dQ
-            # wgmmas of block it - 2 (the last reads of the slot) have retired.
-            slot = it & 1
+        # dS^T to this warpgroup's tile of shared slot (it + 1) % 4 (slot 0 holds the zeros
+        # of a block before the first, ``_dq_lag_start``), for both warpgroups' dQ wgmmas
+        # (``ds_bars`` 0-3: the slot written by both). Once both warpgroups wrote block it - 1,
+        # each has finished block it - 2 and with it the dQ wgmmas of block it - 3, the last
+        # reads of the slot written here (three slots would do; four index by bits).
+        mbarrier.wait(ds_bars.index(it & 3), (it >> 2) & 1)
+        slot = (it + 1) & 3
         ds_bufs.index(2 * slot + C).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_bars.index(slot))
-    if ATOMIC_DQ:
-        # dQ's wgmmas before dK's (FA4's order): they retire first, and the warpgroup stages
-        # and reduces dQ while dK's wgmma runs (dQ after dK: docs/performance.md, "Tried and
-        # not kept").
-        dq_tok = _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, fresh, BM, C, DQ_LAG)
+        # The block before's dQ wgmmas before this block's dK (FA4's order): they retire
+        # first, and the warpgroup stages and reduces dQ while dK's wgmma runs (dQ after dK:
+        # docs/performance.md, "Tried and not kept").
+        dq_tok = _dq_wgmmas(ds_bufs, k_bufs, it & 3, fresh, BM, C)
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_buf, dk, is_async=True)
         dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))  # (dK goes on)
-        _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C, DQ_LAG)
+        if it > 0:  # the block before's dQ slice (the first step's is the zero block's)
+            first = (m == m_min).to(gl.int32)
+            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
         dk = warpgroup_mma_wait(0, deps=(dk_tok,))
         mbarrier.arrive(free.index(stage))
         return dk, dv
@@ -238,33 +232,9 @@ def _bwd_step(it, m, head, k_buf, v_buf, k_bufs, v_bufs, ring, dq_io, dk, dv, ke
 
 
 @gluon.jit
-def _dq_step(ds_bufs, k_bufs, ds_bars, slot, it, fresh, BM: gl.constexpr, C: gl.constexpr, DQ_LAG: gl.constexpr):
-    """The async dQ wgmmas of step ``it``: with ``DQ_LAG`` those of block it - 1 (both of its
-    dS^T tiles are written: waited for before this step's dS^T store), else this block's once
-    both warpgroups' dS^T of ``slot`` are written (``_dq_issue``); ``fresh``: 0, opaque
-    with ``FRESH_TILES`` (``_bwd_step``)."""
-    if DQ_LAG:
-        return _dq_wgmmas(ds_bufs, k_bufs, it & 3, fresh, BM, C)
-    else:
-        return _dq_issue(ds_bufs, k_bufs, ds_bars, slot, it >> 1, fresh, BM, C)
-
-
-@gluon.jit
-def _dq_out(dq, dq_buf, dq_desc, tma_batch, it, m, head, m_min, m_max, C: gl.constexpr, DQ_LAG: gl.constexpr):
-    """A step's dQ slice into dq_accum (``_dq_reduce``): query block ``m`` of ``head``, or
-    with ``DQ_LAG`` the block before (the last of the head before for the head's first)."""
-    if DQ_LAG:
-        if it > 0:  # (the first step's is the zero block's)
-            first = (m == m_min).to(gl.int32)
-            _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m - 1 + first * (m_max - m_min), head - first, C)
-    else:
-        _dq_reduce(dq, dq_buf, dq_desc, tma_batch, m, head, C)
-
-
-@gluon.jit
 def _dq_lag_start(ds_bufs, ds_bars, KR: gl.constexpr, BM: gl.constexpr, layout: gl.constexpr,
                   C: gl.constexpr):
-    """``DQ_LAG``: a block before the first whose dS^T is zero, in slot 0 (its dQ, computed
+    """A block before the first whose dS^T is zero, in slot 0 (its dQ, computed
     in the first step, is not added anywhere)."""
     ds_bufs.index(C).store(gl.zeros([KR, BM], ds_bufs.dtype, layout))
     fence_async_shared()
@@ -274,7 +244,7 @@ def _dq_lag_start(ds_bufs, ds_bars, KR: gl.constexpr, BM: gl.constexpr, layout: 
 @gluon.jit
 def _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_buf, dq_desc, tma_batch, steps, prev_m, prev_head,
                 BM: gl.constexpr, C: gl.constexpr):
-    """``DQ_LAG``: the dQ of the CTA's last block (``steps`` blocks in all; in slot steps % 4)."""
+    """The dQ of the CTA's last block (``steps`` blocks in all; in slot steps % 4)."""
     mbarrier.wait(ds_bars.index(steps & 3), (steps >> 2) & 1)
     dq = warpgroup_mma_wait(0, deps=(_dq_wgmmas(ds_bufs, k_bufs, steps & 3, 0, BM, C),))
     if steps > 0:
@@ -282,18 +252,10 @@ def _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_buf, dq_desc, tma_batch, steps, pre
 
 
 @gluon.jit
-def _dq_issue(ds_bufs, k_bufs, ds_bars, dslot, duse, fresh, BM: gl.constexpr, C: gl.constexpr):
-    """Once both warpgroups' dS^T of ``dslot`` (its use ``duse``) are written: the async
-    wgmmas of dQ_m[:, C-th column half] = dS K[:, half] over the CTA's 128 keys, one per
-    warpgroup's 64 keys (A = the transposed view of its dS^T tile)."""
-    mbarrier.wait(ds_bars.index(dslot), duse & 1)
-    return _dq_wgmmas(ds_bufs, k_bufs, dslot, fresh, BM, C)
-
-
-@gluon.jit
 def _dq_wgmmas(ds_bufs, k_bufs, dslot, fresh, BM: gl.constexpr, C: gl.constexpr):
-    """The two async wgmmas of ``_dq_issue`` (both dS^T tiles of ``dslot`` written); K's tiles
-    indexed through ``fresh`` (0; see ``_bwd_step``)."""
+    """The async wgmmas of dQ_m[:, C-th column half] = dS K[:, half] over the CTA's 128 keys,
+    one per warpgroup's 64 keys (A = the transposed view of its dS^T tile of ``dslot``, both
+    written); K's tiles indexed through ``fresh`` (0; see ``_bwd_step``)."""
     D: gl.constexpr = k_bufs.shape[2]
     DQN: gl.constexpr = D // 2
     tok = warpgroup_mma(ds_bufs.index(2 * dslot).permute((1, 0)), k_bufs.index(fresh).slice(C * DQN, DQN, dim=1),
@@ -380,7 +342,6 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, META: g
     HEAD_DIM: gl.constexpr = META.HEAD_DIM
     REG_A: gl.constexpr = META.REG_A
     SPLIT: gl.constexpr = META.SPLIT
-    DQ_LAG: gl.constexpr = META.DQ_LAG
     k_buf = k_bufs.index(C)
     v_buf = v_bufs.index(C)
     KR: gl.constexpr = k_buf.shape[0]
@@ -401,7 +362,7 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, META: g
     k_a = a_operand(k_buf, REG_A > 0, s_layout)
     v_a = a_operand(v_buf, REG_A > 1, s_layout)
     count = m_max - m_min
-    if DQ_LAG:  # each step adds the dQ of the block before (_bwd_step): slot 0 starts as zeros
+    if ATOMIC_DQ:  # each step adds the dQ of the block before (_bwd_step): slot 0 starts as zeros
         _dq_lag_start(ds_bufs, ds_bars, KR, BM, s_layout, C)
     for g in range(group):
         head = head_kv * group + g
@@ -414,13 +375,12 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, META: g
                 dk, dv = _bwd_step(base + m, m, head, k_a, v_a, k_bufs, v_bufs, ring,
                                    (ds_bufs, ds_bars, dq_bufs.index(C), dq_desc), dk, dv, keys, qcols0,
                                    tma_batch, len_q, len_k, scalars, bounds, META, seg != 1, C)
-    if DQ_LAG:
+    if ATOMIC_DQ:
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
-    if ATOMIC_DQ:
         # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
         # epilogue overwrites: both arrive (count 2) once theirs have retired.
-        DS_SLOTS: gl.constexpr = 4 if DQ_LAG else 2
+        DS_SLOTS: gl.constexpr = 4
         mbarrier.arrive(ds_bars.index(DS_SLOTS))
         mbarrier.wait(ds_bars.index(DS_SLOTS), 0)
         tma.store_wait(0)
@@ -487,7 +447,6 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     LOADER_REGS: gl.constexpr = META.LOADER_REGS
     CONSUMER_REGS: gl.constexpr = META.CONSUMER_REGS
     SPLIT: gl.constexpr = META.SPLIT
-    DQ_LAG: gl.constexpr = META.DQ_LAG
     BM: gl.constexpr = q_desc.block_type.shape[1]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -525,10 +484,10 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BM, DV], do_layout)
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
-    DS_SLOTS: gl.constexpr = 4 if DQ_LAG else 2
+    DS_SLOTS: gl.constexpr = 4
     if ATOMIC_DQ:
-        # dS^T double-buffered per warpgroup ([slot, warpgroup]; DQ_LAG: four slots), dQ
-        # staging per warpgroup (a column half of the row block)
+        # dS^T in four slots per warpgroup ([slot, warpgroup], _bwd_step), dQ staging per
+        # warpgroup (a column half of the row block)
         DQN: gl.constexpr = D // 2
         ds_bufs = gl.allocate_shared_memory(dtype, [DS_SLOTS * NUM_CONSUMERS, KR, BM], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BM, DQN],
@@ -536,7 +495,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     else:
         ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KR, BM], ds_layout)  # unused
         dq_bufs = ds_bufs
-    # ds_bars (both warpgroups arrive): 0 / 1 (/ 2 / 3) dS^T of a slot written, then the loop's end
+    # ds_bars (both warpgroups arrive): 0-3 dS^T of a slot written, then the loop's end
     ds_bars = gl.allocate_shared_memory(gl.int64, [DS_SLOTS + 1, 1], mbarrier.MBarrierLayout())
     if ATOMIC_DQ:
         for i in gl.static_range(DS_SLOTS + 1):
@@ -577,7 +536,7 @@ def _kernel_args(pb, q, k, v, dout, dk, dv, stat, delta, dq_accum, params, cfg, 
                    SOFTCAP=params.softcap > 0.0, ATOMIC_DQ=atomic_dq, IS_VARLEN=pb.seq_flags[0],
                    HAS_SEQUSED_Q=pb.seq_flags[1], HAS_SEQUSED_K=pb.seq_flags[2], LOADER_REGS=LOADER_REGS,
                    CONSUMER_REGS=CONSUMER_REGS, HEAD_DIM=q.shape[-1], REG_A=cfg.reg_a_for(params.softcap),
-                   SPLIT=pieces, DQ_LAG=cfg.dq_lag and atomic_dq, FRESH_TILES=cfg.fresh_tiles)
+                   SPLIT=pieces, FRESH_TILES=cfg.fresh_tiles)
     return [descriptor(q, BLOCK_M, d), descriptor(k, kr, d), descriptor(v, kr, d), descriptor(dout, BLOCK_M, d),
             descriptor(dk, kr, d), descriptor(dv, kr, d), stat_descriptor(stat), stat_descriptor(delta),
             dk, (dk.stride(1), dk.stride(2)), dv, (dv.stride(1), dv.stride(2)),
