@@ -26,8 +26,8 @@ MATRIX = (
 )
 
 # Triton releases (major.minor) the Hopper tier was GPU-tested and benchmarked under. Not yet
-# 3.9: its register allocation spills more in the Gluon kernels (the sm_90a compile checks),
-# and no H200 has run them under it.
+# 3.9: its 8k cases ran at 0.96x-1.08x their 3.6 speed and every GPU test run under it passed,
+# but the whole suite has not run at one commit (its compiles take the time; README).
 VALIDATED_TRITON = ("3.6", "3.8")
 
 
