@@ -5,7 +5,8 @@ The Hopper tier is written in Gluon, Triton's experimental low-level dialect: it
 code generation (register allocation, hence spills and speed) change between Triton
 releases, and torch pins the Triton it runs with, so a user's torch decides which Triton
 runs triflash. A release is listed in ``VALIDATED_TRITON`` only after, under it, the whole
-GPU suite passed on an H200 and the benchmark's seed and 8k cases ran there (the files in
+GPU suite passed on a Hopper card (H200, or the H100 when that is the card lent: the same sm_90a
+code) at one commit and the benchmark's seed and 8k cases ran there (the files in
 benchmarks/results name the version). On any other release the Hopper tier is not trusted:
 dispatch warns once and runs the portable Triton kernels, unless the user insists with
 ``triflash.force_backend("hopper")`` or ``TRIFLASH_BACKEND=hopper``.
