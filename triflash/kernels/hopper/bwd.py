@@ -379,10 +379,11 @@ def _bwd_consumer(kv, ring, dq_io, out, seq, bounds, scalars, split_out, META: g
         _dq_lag_end(ds_bufs, k_bufs, ds_bars, dq_bufs.index(C), dq_desc, tma_batch, group * count,
                     m_max - 1, head_kv * group + group - 1, BM, C)
         # The other warpgroup's last dQ wgmmas read this warpgroup's K tile, which the
-        # epilogue overwrites: both arrive (count 2) once theirs have retired.
-        DS_SLOTS: gl.constexpr = 4
-        mbarrier.arrive(ds_bars.index(DS_SLOTS))
-        mbarrier.wait(ds_bars.index(DS_SLOTS), 0)
+        # epilogue overwrites: both arrive (count 2) once theirs have retired (the last of
+        # ds_bars, after the slots' own).
+        END: gl.constexpr = ds_bars.shape[0] - 1
+        mbarrier.arrive(ds_bars.index(END))
+        mbarrier.wait(ds_bars.index(END), 0)
         tma.store_wait(0)
 
     # Epilogue: dK, dV out through this warpgroup's K_w / V_w tiles (every wgmma reading them
@@ -484,7 +485,7 @@ def hopper_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_des
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BM, DV], do_layout)
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_layout)
-    DS_SLOTS: gl.constexpr = 4
+    DS_SLOTS: gl.constexpr = 4  # (_bwd_step indexes them by it & 3)
     if ATOMIC_DQ:
         # dS^T in four slots per warpgroup ([slot, warpgroup], _bwd_step), dQ staging per
         # warpgroup (a column half of the row block)
