@@ -74,14 +74,23 @@ FA3_SIGNATURES = {  # hopper/flash_attn_interface.py
 }
 
 
+# triflash's keyword-only additions (FA4's names): they change no positional binding
+KEYWORD_EXTRAS = {name: ["learnable_sink=None"]
+                  for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")}
+
+
 @pytest.mark.parametrize("name", list(FA3_SIGNATURES))
 def test_signature_is_fa3s(name):
     """Same parameter names in the same order with the same defaults: every positional or
     keyword call written for FA3 binds the same way."""
-    ours = []
+    ours, extras = [], []
     for p in inspect.signature(getattr(triflash, name)).parameters.values():
+        if p.kind is inspect.Parameter.KEYWORD_ONLY:  # beyond FA3's: by name only, after all of FA3's
+            extras.append(f"{p.name}={p.default!r}")
+            continue
         ours.append(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}".replace(" ", ""))
     assert ours == FA3_SIGNATURES[name].split()
+    assert extras == KEYWORD_EXTRAS.get(name, [])
 
 
 def test_positional_calls_bind_as_in_fa3():

@@ -263,6 +263,43 @@ def test_softcap_gemma2():
     _differs(_run_all(models[2:], input_ids=ids)[0].logits, ref, low, "no softcap")
 
 
+def _gpt_oss_cfg():
+    return transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                                     layer_types=["sliding_attention", "full_attention"])
+
+
+def _gpt_oss_trio():
+    """gpt-oss (attention sinks, ``s_aux``): eager is its only reference (no sinks in SDPA);
+    the sinks drawn away from gpt-oss's zero init, so they take a row's weight."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    models = _trio(_gpt_oss_cfg(), ref_impl="eager")
+    for model in models:
+        for i, layer in enumerate(model.model.layers):
+            with torch.no_grad():
+                layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, 4) + i)
+    return models
+
+
+def test_attention_sinks_gpt_oss():
+    models = _gpt_oss_trio()
+    ids = _ids(2, 24)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: the varlen path carries the sinks too
+    for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
+        ref, low, tri = (o.logits for o in _run_all(models, **inputs))
+        if "attention_mask" in inputs:
+            ref, low, tri = (x[mask.bool()] for x in (ref, low, tri))
+        _check(tri, ref, low)
+    for layer in models[2].model.layers:  # without its sinks the model is another model
+        with torch.no_grad():
+            layer.self_attn.sinks.fill_(float("-inf"))
+    _differs(_run_all(models[2:], input_ids=ids)[0].logits, *(o.logits for o in _run_all(models[:2], input_ids=ids)),
+             "sinks at -inf")
+
+
 # ----------------------------------------------------------------------------- gradients
 
 def _check_grads(models, **inputs):
@@ -276,6 +313,12 @@ def _check_grads(models, **inputs):
     assert set(g_tri) == set(g_ref) and any("self_attn" in n for n in g_ref)
     for n in g_ref:
         _check(g_tri[n], g_ref[n], g_low[n], what=f"grad {n}")
+
+
+def test_attention_sinks_gradients_gpt_oss():
+    """The sinks are parameters: their gradients, with every other parameter's."""
+    ids = _ids(2, 24, seed=4)
+    _check_grads(_gpt_oss_trio(), input_ids=ids, labels=ids)
 
 
 @pytest.mark.parametrize("layout", ["dense", "left_padded"])
@@ -336,8 +379,6 @@ def test_refuses_what_it_cannot_serve():
     module.is_causal = True
     q = torch.randn(1, 4, 8, 16, dtype=torch.float16, device=DEVICE)
     k = v = torch.randn(1, 2, 8, 16, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        tf_integration.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4, device=DEVICE))
     with pytest.raises(NotImplementedError, match="position_bias"):
         tf_integration.attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 8, 8))
     with pytest.raises(ValueError, match="4-D"):

@@ -34,7 +34,7 @@ import torch
 from . import dispatch, ops
 from . import validation as V
 from .kernels.decode import plan as decode_plan
-from .merge import merge_partials
+from .merge import fold_sink, merge_partials
 from .rotary import apply_rotary, token_positions
 
 
@@ -78,7 +78,7 @@ def _dense_signature(q, k, v, softmax_scale, causal, window_size, softcap, deter
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
                     k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
-                    return_attn_probs=False):
+                    return_attn_probs=False, *, learnable_sink=None):
     """Attention over dense batches: softmax(q k^T * softmax_scale) v per head.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
@@ -93,6 +93,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     (causal sets right = 0). softcap > 0: scores become softcap * tanh(scores / softcap)
     before the softmax. A query row that sees no key gets output 0 and lse -inf.
     deterministic: True makes the backward bitwise reproducible (no atomic adds of dQ).
+    learnable_sink (FA4's; gpt-oss's attention sinks, transformers' ``s_aux``): None, or a
+    (nheads,) fp16 / bf16 / fp32 tensor of logits, one more softmax column per query head
+    with no value (natural-log units, not scaled by softmax_scale): it enlarges each row's
+    normalizer and lse, so out shrinks; a row that sees no key gets out 0 and lse = its
+    sink. Differentiable (its gradient in its dtype).
 
     Returns out (batch, seqlen_q, nheads, headdim_v), and with return_attn_probs also lse
     (batch, nheads, seqlen_q), the fp32 natural-log log-sum-exp of the scaled scores.
@@ -129,8 +134,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     descale = None
     if q.dtype == V.FP8:
         descale = V.check_descales(q, v, qv, (q_descale, k_descale, v_descale), q.shape[0], k.shape[-2])
+    sink = V.check_sink(learnable_sink, q.shape[2], q)
     if qv is not None or chunk > 0 or descale is not None:
         out, lse = ops.attention_extras(q, k, v, qv, None, None, None, None, *scalars, chunk, descale)
+        if sink is not None:  # (forward only, as the extras)
+            out, lse = fold_sink(out, lse, sink)
+    elif sink is not None:
+        out, lse = ops.attention_sink(q, k, v, sink, None, None, None, None, *scalars)
     else:
         out, lse = ops.attention(q, k, v, None, None, None, None, *scalars)
     return (out, lse) if return_attn_probs else out
@@ -141,7 +151,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            qv=None, q_descale=None, k_descale=None, v_descale=None,
                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, sm_margin=0,
-                           return_attn_probs=False):
+                           return_attn_probs=False, *, learnable_sink=None):
     """Attention over a packed batch of variable-length sequences.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim[_v]); cu_seqlens_q/k:
@@ -160,7 +170,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (nheads, total_q) (a dense q: (batch, nheads, seqlen_q)) if return_attn_probs.
     ``qv`` (q's layout, headdim_v wide), ``attention_chunk`` and fp8 inputs with their
     descales ((batch, nheads_kv), batch the sequences): FA3's forward-only extras, per
-    sequence, as in ``flash_attn_func``.
+    sequence, and ``learnable_sink``, as in ``flash_attn_func``.
     """
     causal = V.as_flag("causal", causal)
     deterministic = V.as_flag("deterministic", deterministic)
@@ -198,6 +208,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
     left, right = V.normalize_window(window_size, causal)
     scalars = ops.pack_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap, deterministic)
+    sink = V.check_sink(learnable_sink, q.shape[-2], q)
     if (dense_kv is not None and dense_q is None and seqused_q is None and qv is None and not _needs_grad(q, k, v)
             and dispatch.decodes(max_seqlen_q, q.shape[-2], k.shape[-2], cu_seqlens_q.shape[0] - 1)):
         # a decoding step over a dense batch of caches (a serving engine's call: packed
@@ -210,8 +221,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     elif qv is not None or chunk > 0 or descale is not None:
         out, lse = ops.attention_extras(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars,
                                         chunk, descale)
+    elif sink is not None:
+        out, lse = ops.attention_sink(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars)
+        sink = None  # (folded)
     else:
         out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars)
+    if sink is not None:  # the forward-only paths (decoding step, extras)
+        out, lse = fold_sink(out, lse, sink)
     if dense_q is not None:
         out = out.reshape(*dense_q, *out.shape[1:])
         if return_attn_probs:
@@ -281,7 +297,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                             rotary_interleaved=True, scheduler_metadata=None, num_splits=0,
-                            pack_gqa=None, sm_margin=0, return_softmax_lse=False):
+                            pack_gqa=None, sm_margin=0, return_softmax_lse=False, *, learnable_sink=None):
     """Attention of q against a KV cache, for decoding (forward only, no autograd).
 
     q: (batch, seqlen_q, nheads, headdim), or (total_q, nheads, headdim) with int32
@@ -316,8 +332,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     (total_new, nheads_kv, headdim[_v]), sequence b's new tokens rows cu_seqlens_k_new[b] ..
     cu_seqlens_k_new[b + 1] - 1 (FA3's varlen append; without new k, v it is ignored, as in
     FA3). ``attention_chunk`` and ``qv`` (q's layout, headdim_v wide; MLA's absorbed decode
-    with headdim 64 / headdim_v 512) and fp8 inputs (q, the caches and new keys; the
-    descales (batch, nheads_kv)) as in ``flash_attn_func``; ``scheduler_metadata`` (the plan, which
+    with headdim 64 / headdim_v 512), fp8 inputs (q, the caches and new keys; the
+    descales (batch, nheads_kv)) and ``learnable_sink`` as in ``flash_attn_func``; ``scheduler_metadata`` (the plan, which
     the call recomputes from the shapes), ``pack_gqa`` and ``sm_margin`` are accepted and
     change nothing. Index values (cache_seqlens, cache_batch_idx, cache_leftpad,
     page_table, cu_seqlens_q) are checked on the host on the CPU or with
@@ -340,6 +356,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     descale = V.check_descales(q, v_cache, qv, (q_descale, k_descale, v_descale), batch, k_cache.shape[-2])
     softmax_scale, softcap = V.check_scalars(softmax_scale, softcap, _scale_dim(q, qv))
     left, right = V.normalize_window(window_size, causal)
+    sink = V.check_sink(learnable_sink, q.shape[-2], q)
     with torch.no_grad():
         if page_table is not None and cache_batch_idx is not None:
             # FA3: sequence b reads page_table[cache_batch_idx[b]]; the kernels take the rows
@@ -373,6 +390,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                             descale)
         else:  # prefill over a plain dense cache: the dense kernels (the Hopper tier on sm90)
             out, lse = ops.attention(q, k_cache, v_cache, None, None, None, used, ints, floats)
+        if sink is not None:
+            out, lse = fold_sink(out, lse, sink)
     if not return_softmax_lse:
         return out
     empty = out.new_empty(0, dtype=torch.float32)  # FA3's split accumulators (empty unless it splits)

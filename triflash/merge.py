@@ -8,7 +8,11 @@ lse = logsumexp_i lse_i and out = sum_i exp(lse_i - lse) out_i. A row with no ke
 has out_i 0 and lse_i -inf (weight 0); a row with no key in any part gets out 0 and
 lse -inf, without the NaN of exp(-inf - -inf).
 
-Only torch: interface.py and context_parallel.py both import this module.
+A learnable attention sink (gpt-oss; FA4's ``learnable_sink``, transformers' ``s_aux``) is the
+same merge with a part of one key whose logit is the head's sink and whose value is zero:
+``fold_sink`` applies it to a forward's (out, lse), ``sink_grad`` is the sink's gradient.
+
+Only torch: interface.py, ops.py and context_parallel.py import this module.
 """
 import torch
 
@@ -26,3 +30,42 @@ def merge_partials(out_parts, lse_parts):
     for i in range(1, out_parts.shape[0]):
         out += weights[i] * out_parts[i].float()
     return out, lse
+
+
+def _by_rows(x, varlen):
+    """A per-row tensor in lse's layout ((batch, heads, seqlen), or (heads, total) for varlen)
+    in out's ((batch, seqlen, heads), (total, heads))."""
+    return x.transpose(0, 1) if varlen else x.transpose(1, 2)
+
+
+def _sink_rows(sink, lse):
+    """The sink logits (heads,) as fp32, broadcast against ``lse``'s layout."""
+    sink = sink.float()
+    return sink[:, None] if lse.dim() == 2 else sink[None, :, None]
+
+
+def fold_sink(out, lse, sink):
+    """(out, lse) of attention over the keys and a sink: one more softmax column per query
+    head with logit ``sink[head]`` (natural-log units, not multiplied by softmax_scale) and
+    no value, so lse' = logaddexp(lse, sink) and out' = out exp(lse - lse'). ``out``:
+    (batch, seqlen_q, heads, dim) or varlen (total, heads, dim); ``lse``: (batch, heads,
+    seqlen_q) or (heads, total), fp32. A row that sees no key keeps out 0 and gets lse' =
+    sink (FA4's convention). Returns out' in out's dtype, lse' fp32."""
+    lse_s = torch.logaddexp(lse, _sink_rows(sink, lse))
+    factor = torch.exp(lse - lse_s)  # NaN only where lse and the sink are both -inf (out is 0)
+    factor = torch.where(torch.isnan(factor), 0.0, factor)
+    out_s = (out.float() * _by_rows(factor, lse.dim() == 2).unsqueeze(-1)).to(out.dtype)
+    return out_s, lse_s
+
+
+def sink_grad(dout, out, lse, sink):
+    """d loss / d sink of ``fold_sink``'s attention, from its out' and lse': the sink column's
+    probability p = exp(sink - lse') times its dS = -Delta (Delta = rowsum(dout * out'), the
+    backward's own), summed over every row of each head: dsink[h] = -sum p Delta. In
+    sink's dtype."""
+    varlen = lse.dim() == 2
+    delta = torch.einsum("...d,...d->...", dout.float(), out.float())
+    p = _by_rows(torch.exp(_sink_rows(sink, lse) - lse), varlen)
+    p = torch.where(torch.isnan(p), 0.0, p)
+    rows = tuple(range(delta.dim() - 1))  # every axis but the heads
+    return -(p * delta).sum(dim=rows).to(sink.dtype)

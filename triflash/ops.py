@@ -22,6 +22,7 @@ from torch import Tensor
 from . import dispatch
 from .kernels import kvcache
 from .kernels.problem import AttnParams, CacheAddressing, alloc_output
+from .merge import fold_sink, sink_grad
 
 
 # Scalar arguments travel as two lists: torch's custom-op autograd path re-reads the op schema
@@ -258,6 +259,47 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, f
     if torch.compiler.is_compiling():
         return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
     return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
+
+
+class _AttentionSink(torch.autograd.Function):
+    """Attention with a learnable sink per query head (``merge.fold_sink``): the forward's
+    (out, lse) with the sink folded in, and the kernels' backward run on that out and lse
+    (its probabilities are then the sink's softmax: the sink column has no value, so Delta
+    and dS of every key are unchanged) plus the sink's own gradient (``merge.sink_grad``).
+    Under torch.compile the forward and backward go through the custom ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
+        out, lse = fwd(*inputs) if torch.compiler.is_compiling() else _fwd_impl(*inputs)
+        out, lse = fold_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        ctx.scalars = (ints, floats)
+        ctx.mark_non_differentiable(lse)  # (as _setup_context)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return (None,) * 10
+        q, k, v, out, lse, sink, *seqs = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        args = (dout, q, k, v, out, lse, *seqs, *ctx.scalars)
+        dq, dk, dv = bwd(*args) if torch.compiler.is_compiling() else _bwd_impl(*args)
+        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
+        if torch.is_grad_enabled():  # create_graph=True
+            dq, dk, dv = _FirstOrderOnly.apply(3, dq, dk, dv, q, k, v, dout)
+            if dsink is not None:
+                dsink, = _FirstOrderOnly.apply(1, dsink, sink, q, k, v, dout)
+        return dq, dk, dv, dsink, None, None, None, None, None, None
+
+
+def attention_sink(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
+    """(out, lse) of attention with a learnable sink (``_AttentionSink``), differentiable in
+    q, k, v and the sink."""
+    return _AttentionSink.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
 
 
 class _AttentionExtras(torch.autograd.Function):

@@ -25,11 +25,12 @@ def visible_mask(seqlen_q, seqlen_k, window_left, window_right, device, attentio
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  upcast=True, head_chunk=None, attention_chunk=0, qv=None):
+                  upcast=True, head_chunk=None, attention_chunk=0, qv=None, learnable_sink=None):
     """Dense reference. q (b, sq, h, d); k, v (b, sk, hk, d[v]). Returns (out, lse) with
     out in q's dtype and lse (b, h, sq) fp32. Differentiable (autograd) in both modes.
     FlashAttention-3's extras: ``attention_chunk`` (``visible_mask``) and ``qv`` (b, sq, h,
-    dv): scores q k^T + qv v^T, default scale (d + dv) ** -0.5."""
+    dv): scores q k^T + qv v^T, default scale (d + dv) ** -0.5. FA4's ``learnable_sink`` (h,):
+    one more softmax column per head with that logit (unscaled) and no value."""
     dtype_og = q.dtype
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
@@ -56,6 +57,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
             s = softcap * torch.tanh(s / softcap)
         s = s.float().masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
+        if learnable_sink is not None:
+            lse = torch.logaddexp(lse, learnable_sink[hs].float()[None, :, None].expand_as(lse))
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
         p = p.masked_fill(~mask, 0.0)
         o = torch.einsum("bhqk,bkhd->bqhd", p.to(vc.dtype), vc)
@@ -135,10 +138,11 @@ def assert_forward_matches(out, lse, out_ref, lse_ref, out_lowp, softcap=0.0):
 
 
 def assert_grads_match(grads, grads_ref, grads_lowp, softcap=0.0):
-    """FlashAttention-3's gradient checks on (dq, dk, dv): no NaN, each error within
+    """FlashAttention-3's gradient checks on (dq, dk, dv[, dsink]): no NaN, each error within
     ``fa_tolerance`` of the low-precision reference's (rtol 3 and +3e-4 with softcap)."""
     rtol = 2.0 if softcap == 0.0 else 3.0
-    for name, g, g_ref, g_lowp in zip(("dq", "dk", "dv"), grads, grads_ref, grads_lowp):
+    assert len(grads) == len(grads_ref) == len(grads_lowp)
+    for name, g, g_ref, g_lowp in zip(("dq", "dk", "dv", "dsink"), grads, grads_ref, grads_lowp):
         assert not g.isnan().any(), f"{name} has NaN"
         err = max_err(g, g_ref)
         tol = fa_tolerance(g_ref, g_lowp, rtol) + (0.0 if softcap == 0.0 else 3e-4)

@@ -179,6 +179,27 @@ def check_extras(qv, attention_chunk, q, v):
     return qv, min(chunk, _WINDOW_CAP)
 
 
+SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_sink(learnable_sink, nheads, q):
+    """A learnable attention sink (FA4's ``learnable_sink``, transformers' ``s_aux``): None, or
+    a (nheads,) float16 / bfloat16 / float32 tensor of logits, one per query head, on q's
+    device (``merge.fold_sink``)."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor):
+        _fail("learnable_sink", type(learnable_sink).__name__, "expected a torch.Tensor or None", TypeError)
+    if tuple(learnable_sink.shape) != (nheads,):
+        _fail("learnable_sink.shape", tuple(learnable_sink.shape), f"expected (nheads,) = ({nheads},): one logit "
+              "per query head")
+    if learnable_sink.dtype not in SINK_DTYPES:
+        _fail("learnable_sink.dtype", learnable_sink.dtype, "expected torch.float16, torch.bfloat16 or "
+              "torch.float32", TypeError)
+    check_device(q, learnable_sink)
+    return learnable_sink
+
+
 def check_descales(q, v, qv, descales, batch, nheads_kv):
     """FA3's fp8 forward: with float8_e4m3fn inputs, ``descales`` (q_descale, k_descale,
     v_descale) are float32 (batch, nheads_kv) tensors (any strides, e.g. expanded views) or

@@ -22,12 +22,12 @@ transformers' FlashAttention path does); causal and non-causal (``module.is_caus
 w keys up to and including the query's own when causal, ``w - 1`` on each side when not
 (ModernBERT passes its half window + 1); ``softcap``; GQA/MQA natively (no repeat_kv);
 generate() with dynamic, sliding-window and static caches (causal attention is
-bottom-right aligned, so a query block sees the whole cache before it).
+bottom-right aligned, so a query block sees the whole cache before it); attention sinks
+(``s_aux``, gpt-oss: FA4's ``learnable_sink``, trained through their gradient).
 
 What it refuses, with an error naming the argument: a sliding window over padding that lies
 between a sequence's tokens (the window would count tokens, not positions), attention
 dropout (``dropout`` > 0: set ``attention_dropout=0.0`` in the config, or ``model.eval()``),
-attention sinks (``s_aux``),
 additive position biases (``position_bias``), 4-D or custom masks (``or_mask_function`` /
 ``and_mask_function``, a 4-D ``attention_mask``), chunked attention longer than its chunk,
 paged caches (``block_table``), fp32 tensors outside autocast (triflash computes in fp16 and
@@ -207,8 +207,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError(
             f"triflash: dropout={dropout}: attention dropout is not implemented; set the config's attention_dropout "
             "to 0.0 (or call model.eval())")
-    if s_aux is not None:
-        raise NotImplementedError("triflash: s_aux (attention sinks) is not supported; use attn_implementation='eager'")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("triflash: position_bias (additive attention biases) is not supported; "
                                   "use attn_implementation='sdpa'")
@@ -231,7 +229,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          or torch.are_deterministic_algorithms_enabled())
     common = dict(softmax_scale=None if scaling is None else float(scaling), causal=causal,
                   window_size=_window(sliding_window), softcap=0.0 if softcap is None else float(softcap),
-                  deterministic=bool(deterministic))
+                  deterministic=bool(deterministic), learnable_sink=s_aux)
     if q.numel() == 0 or k.shape[1] == 0:
         return q.new_zeros(*q.shape[:3], v.shape[-1]), None
 
