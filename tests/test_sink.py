@@ -36,17 +36,51 @@ def _sink(h, dtype, g):
     return _rand((h,), dtype, g, scale=3.0)
 
 
+def _dsink_formula(dout, out, lse, sink):
+    """-sum over rows of p_sink * Delta, from an attention's output and lse without the sink:
+    Delta = rowsum(dout * out) exp(lse - lse') and p_sink = exp(sink - lse'), lse' =
+    logaddexp(lse, sink); fp32. ``lse`` (batch, heads, seqlen) or varlen (heads, total)."""
+    lse = lse.float()
+    s = sink.float()[:, None] if lse.dim() == 2 else sink.float()[None, :, None]
+    lse_s = torch.logaddexp(lse, s.expand_as(lse))
+    weight = torch.nan_to_num(torch.exp(s - lse_s) * torch.exp(lse - lse_s), nan=0.0)
+    weight = weight.transpose(0, 1) if lse.dim() == 2 else weight.transpose(1, 2)  # out's row layout
+    delta = (dout.float() * out.float()).sum(-1)
+    return -(weight * delta).flatten(0, -2).sum(0)
+
+
+def _assert_dsink(dsink, dsink_ref, dout, out_low, lse_low, sink, softcap=0.0):
+    """The sink's gradient against the fp32 reference's. Every FlashAttention backward takes a
+    row's Delta = rowsum(dout * out) from the 16-bit output, and so does the sink's gradient
+    (-sum over rows of p_sink Delta): the same computation in the input dtype is that formula
+    (``_dsink_formula``) on the low-precision reference's output without the sink (rounded
+    to 16 bits), not its autograd, which never rounds an output it differentiates.
+    Tolerance: 2x that computation's error, plus one unit in the last place of the sink's
+    dtype (both gradients are rounded to it); with softcap rtol 3 and + 3e-4, as for dq / dk /
+    dv (``testing.assert_grads_match``)."""
+    assert dsink.dtype == sink.dtype and dsink.shape == sink.shape
+    assert not dsink.isnan().any(), "dsink has NaN"
+    dsink_low = _dsink_formula(dout, out_low, lse_low, sink.detach())
+    ulp = 0.0 if sink.dtype == torch.float32 else 2 * torch.finfo(sink.dtype).eps * dsink_ref.abs().max().item()
+    rtol, atol = (2.0, 1e-5) if softcap == 0.0 else (3.0, 3e-4)
+    tol = rtol * max_err(dsink_low, dsink_ref) + ulp + atol
+    err = max_err(dsink, dsink_ref)
+    assert err <= tol, f"dsink: max error {err} > tolerance {tol}"
+
+
 def _check_call(out, lse, inputs, fn_ref, dout, softcap):
     """The forward and all four gradients of one call against the fp32 reference (``fn_ref``
     (upcast) -> (out, lse)) and the same computation in the input dtype."""
-    out_ref, lse_ref = fn_ref(True)
-    out_low, _ = fn_ref(False)
+    out_ref, lse_ref = fn_ref(True, inputs[3])
+    out_low, _ = fn_ref(False, inputs[3])
     assert_forward_matches(out, lse, out_ref, lse_ref, out_low, softcap)
     grads = torch.autograd.grad(out, inputs, dout)
     grads_ref = torch.autograd.grad(out_ref, inputs, dout)
-    grads_low = torch.autograd.grad(out_low, inputs, dout)
-    assert grads[3].dtype == inputs[3].dtype and grads[3].shape == inputs[3].shape
-    assert_grads_match(grads, grads_ref, grads_low, softcap)
+    grads_low = torch.autograd.grad(out_low, inputs[:3], dout)
+    assert_grads_match(grads[:3], grads_ref[:3], grads_low, softcap)
+    with torch.no_grad():
+        out_low_nosink, lse_low_nosink = fn_ref(False, None)
+    _assert_dsink(grads[3], grads_ref[3], dout, out_low_nosink, lse_low_nosink, inputs[3], softcap)
     return grads
 
 
@@ -69,7 +103,7 @@ def test_sink_dense(dtype, mask, seqlens):
     assert out.shape == (batch, sq, h, d) and out.dtype == dtype and lse.shape == (batch, h, sq)
     dout = torch.randn(out.shape, generator=g).to(out)
     _check_call(out, lse, (q, k, v, sink),
-                lambda upcast: attention_ref(q, k, v, upcast=upcast, learnable_sink=sink, **kw), dout, softcap)
+                lambda upcast, sink: attention_ref(q, k, v, upcast=upcast, learnable_sink=sink, **kw), dout, softcap)
 
 
 def test_sink_rows_without_keys():
@@ -119,13 +153,17 @@ def test_sink_varlen(dtype):
     out_ref, lse_ref = attention_varlen_ref(q, k, v, cu_q, cu_k, used_q, None, causal=True, learnable_sink=sink)
     out_low, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, used_q, None, causal=True, learnable_sink=sink,
                                       upcast=False)
+    with torch.no_grad():
+        out_low_nosink, lse_low_nosink = attention_varlen_ref(q, k, v, cu_q, cu_k, used_q, None, causal=True,
+                                                              upcast=False)
     assert max_err(out, out_ref) <= fa_tolerance(out_ref, out_low)
     rows = torch.isfinite(lse_ref)  # the used rows
     assert max_err(lse[rows], lse_ref[rows]) <= 1e-3 * max(1.0, lse_ref[rows].abs().max().item())
     dout = torch.randn(out.shape, generator=g).to(out)
     inputs = (q, k, v, sink)
-    assert_grads_match(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(out_ref, inputs, dout),
-                       torch.autograd.grad(out_low, inputs, dout))
+    grads, grads_ref = torch.autograd.grad(out, inputs, dout), torch.autograd.grad(out_ref, inputs, dout)
+    assert_grads_match(grads[:3], grads_ref[:3], torch.autograd.grad(out_low, inputs[:3], dout))
+    _assert_dsink(grads[3], grads_ref[3], dout, out_low_nosink, lse_low_nosink, sink)
 
 
 def test_sink_kvcache_decode_and_prefill():
@@ -151,7 +189,9 @@ def test_sink_kvcache_decode_and_prefill():
 
 def test_sink_under_torch_compile():
     """torch.compile(fullgraph=True) traces the sink's forward and backward (the custom ops
-    inside): the same loss and gradients as eager, bit for bit (deterministic)."""
+    inside): the same loss and gradients as eager, bit for bit through aot_eager (CPU);
+    through inductor (GPU), which compiles the fold's elementwise ops itself, within a few
+    units in the last place."""
     g = torch.Generator().manual_seed(7)
     q, k, v = (_rand((1, s, 2, 32), torch.float16, g) for s in (33, 47, 47))
     sink = _sink(2, torch.float32, g)
@@ -165,9 +205,14 @@ def test_sink_under_torch_compile():
     grads = torch.autograd.grad(loss, (q, k, v, sink))
     loss_eager = layer(q, k, v, sink)
     grads_eager = torch.autograd.grad(loss_eager, (q, k, v, sink))
-    assert torch.allclose(loss, loss_eager)
-    for a, b in zip(grads, grads_eager):
-        assert max_err(a, b) <= (0.0 if a.dtype != torch.float32 else 1e-6 * max(1.0, b.abs().max().item()))
+    if backend == "aot_eager":
+        assert torch.equal(loss, loss_eager)
+        for a, b in zip(grads, grads_eager):
+            assert torch.equal(a, b)
+    else:
+        assert max_err(loss, loss_eager) <= 1e-3 * abs(loss_eager.item())
+        for a, b in zip(grads, grads_eager):
+            assert max_err(a, b) <= 4 * torch.finfo(a.dtype).eps * max(1.0, b.abs().max().item())
 
 
 @pytest.mark.parametrize("bad,exc,match", [

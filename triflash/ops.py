@@ -265,19 +265,22 @@ class _AttentionSink(torch.autograd.Function):
     """Attention with a learnable sink per query head (``merge.fold_sink``): the forward's
     (out, lse) with the sink folded in, and the kernels' backward run on that out and lse
     (its probabilities are then the sink's softmax: the sink column has no value, so Delta
-    and dS of every key are unchanged) plus the sink's own gradient (``merge.sink_grad``).
+    and dS of every key are unchanged) plus the sink's own gradient (``merge.sink_grad``,
+    from the kernels' own output).
     Under torch.compile the forward and backward go through the custom ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats):
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ints, floats)
         out, lse = fwd(*inputs) if torch.compiler.is_compiling() else _fwd_impl(*inputs)
-        out, lse = fold_sink(out, lse, sink)
+        # the kernels' out / lse are kept (the same memory as the folded ones); the backward
+        # folds them again, bit for bit
         ctx.save_for_backward(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.scalars = (ints, floats)
-        ctx.mark_non_differentiable(lse)  # (as _setup_context)
+        out_s, lse_s = fold_sink(out, lse, sink)
+        ctx.mark_non_differentiable(lse_s)  # (as _setup_context)
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out_s, lse_s
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -286,7 +289,8 @@ class _AttentionSink(torch.autograd.Function):
         q, k, v, out, lse, sink, *seqs = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        args = (dout, q, k, v, out, lse, *seqs, *ctx.scalars)
+        out_s, lse_s = fold_sink(out, lse, sink)
+        args = (dout, q, k, v, out_s, lse_s, *seqs, *ctx.scalars)
         dq, dk, dv = bwd(*args) if torch.compiler.is_compiling() else _bwd_impl(*args)
         dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
         if torch.is_grad_enabled():  # create_graph=True
