@@ -724,6 +724,10 @@ def _torch_ring_worker(rank, world, tmp, names):
                                       scale=None)
             torch.save(dict(got=[out, dq, dk, dv], runs=list(runs), fallback=sdpa.last_fallback),
                        f"{tmp}/{name}.rank{rank}.pt")
+        # neither rank tears the group down while the other's last exchange is in flight (a
+        # gloo thread still joinable at teardown aborts the process: "terminate called without
+        # an active exception", once in CI under torch 2.12)
+        dist.barrier()
     finally:
         restore()
         handle.remove()
