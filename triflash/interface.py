@@ -218,16 +218,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, lse = ops.attention_kvcache(q, k_cache, v_cache, cu_seqlens_q, seqused_k, None, None, None,
                                          scalars[0] + [max(num_splits, 0)], scalars[1], chunk=chunk,
                                          descale=descale)
+        if sink is not None:  # (forward only)
+            out, lse = fold_sink(out, lse, sink)
     elif qv is not None or chunk > 0 or descale is not None:
         out, lse = ops.attention_extras(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars,
                                         chunk, descale)
+        if sink is not None:  # (forward only, as the extras)
+            out, lse = fold_sink(out, lse, sink)
     elif sink is not None:
         out, lse = ops.attention_sink(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars)
-        sink = None  # (folded)
     else:
         out, lse = ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars)
-    if sink is not None:  # the forward-only paths (decoding step, extras)
-        out, lse = fold_sink(out, lse, sink)
     if dense_q is not None:
         out = out.reshape(*dense_q, *out.shape[1:])
         if return_attn_probs:

@@ -58,17 +58,16 @@ def fold_sink(out, lse, sink):
     return out_s, lse_s
 
 
-def sink_grad(dout, out, lse, sink):
-    """d loss / d sink of ``fold_sink(out, lse, sink)``'s attention, given the gradient
-    ``dout`` of its output and the attention without the sink (``out``, ``lse``: the kernels'):
+def sink_grad(dout, out, lse, lse_s, sink):
+    """d loss / d sink of ``fold_sink(out, lse, sink)``'s attention (``lse_s`` its lse'), given
+    the gradient ``dout`` of its output and the attention without the sink (``out``, ``lse``:
+    the kernels'):
     the sink column's probability exp(sink - lse') times its dS = -Delta, summed over every
     row of each head, dsink[h] = -sum exp(sink - lse') Delta. Delta = rowsum(dout * out'),
     taken as exp(lse - lse') rowsum(dout * out) from the kernels' output (rounded to 16 bits
     once; out' was rounded again). In sink's dtype."""
     varlen = lse.dim() == 2
-    sink_rows = _sink_rows(sink, lse)
-    lse_s = torch.logaddexp(lse, sink_rows)
-    weight = torch.exp(sink_rows + lse - 2 * lse_s)  # exp(sink - lse') exp(lse - lse')
+    weight = torch.exp(_sink_rows(sink, lse) + lse - 2 * lse_s)  # exp(sink - lse') exp(lse - lse')
     weight = torch.where(torch.isnan(weight), 0.0, weight)
     delta = torch.einsum("...d,...d->...", dout.float(), out.float())
     rows = tuple(range(delta.dim() - 1))  # every axis but the heads

@@ -292,7 +292,7 @@ class _AttentionSink(torch.autograd.Function):
         out_s, lse_s = fold_sink(out, lse, sink)
         args = (dout, q, k, v, out_s, lse_s, *seqs, *ctx.scalars)
         dq, dk, dv = bwd(*args) if torch.compiler.is_compiling() else _bwd_impl(*args)
-        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
+        dsink = sink_grad(dout, out, lse, lse_s, sink) if ctx.needs_input_grad[3] else None
         if torch.is_grad_enabled():  # create_graph=True
             dq, dk, dv = _FirstOrderOnly.apply(3, dq, dk, dv, q, k, v, dout)
             if dsink is not None:
