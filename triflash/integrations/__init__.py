@@ -7,4 +7,7 @@ by it: ``torch.nn.attention.activate_flash_attention_impl("triflash")``.
 
 ``transformers``: ``register()`` adds an attention implementation to Hugging Face
 transformers (``AttentionInterface`` and ``AttentionMaskInterface``) and returns its name.
+
+``vllm``: vLLM's FlashAttention API (``vllm.vllm_flash_attn``) on triflash; ``install()``, or
+``TRIFLASH_VLLM=1`` through triflash's vLLM plugin, points vLLM's FlashAttention backend at it.
 """
