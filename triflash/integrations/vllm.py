@@ -15,8 +15,9 @@ at it::
     triflash_vllm.install()              # or in one process, before it builds the engine
 
 ``plugin`` is triflash's ``vllm.general_plugins`` entry point (pyproject.toml), which vLLM
-loads in each of its processes; it installs only when ``TRIFLASH_VLLM=1``. vLLM is imported
-by ``install`` only.
+loads in each of its processes wherever triflash is installed; it installs only when
+``TRIFLASH_VLLM=1`` (otherwise it only imports triflash, which registers its SDPA backend
+without activating it). vLLM is imported by ``install`` only.
 
 What runs: a call with ``seqused_k`` (a KV cache, paged through ``block_table`` or dense
 (batch, seqlen_k, ...)) is ``triflash.flash_attn_with_kvcache`` with ``cu_seqlens_q`` (decode
