@@ -23,14 +23,17 @@ from conftest import DEVICE
 
 ON_GPU = DEVICE == "cuda"
 
-# vllm_flash_attn.flash_attn_varlen_func's parameters and defaults, in its order
+# vllm_flash_attn.flash_attn_varlen_func's parameters and defaults, in its order (its newest form, with
+# FlashAttention-4's arguments; older vLLM releases pass a subset, by keyword)
 VLLM_VARLEN = [("q", None), ("k", None), ("v", None), ("max_seqlen_q", None), ("cu_seqlens_q", None),
                ("max_seqlen_k", None), ("cu_seqlens_k", None), ("seqused_k", None), ("q_v", None),
                ("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", None),
                ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False),
                ("block_table", None), ("return_softmax_lse", False), ("out", None), ("scheduler_metadata", None),
                ("q_descale", None), ("k_descale", None), ("v_descale", None), ("num_splits", 0),
-               ("fa_version", 2), ("s_aux", None), ("cp_world_size", 1), ("cp_rank", 0), ("cp_tot_seqused_k", None)]
+               ("output_scale", None), ("fa_version", 2), ("s_aux", None), ("cp_world_size", 1), ("cp_rank", 0),
+               ("cp_tot_seqused_k", None), ("mask_mod", None), ("aux_tensors", None),
+               ("aux_tensor_leading_dims", None), ("dynamic_causal", None)]
 VLLM_SCHEDULER = ["batch_size", "max_seqlen_q", "max_seqlen_k", "num_heads_q", "num_heads_kv", "headdim",
                   "cache_seqlens", "qkv_dtype", "headdim_v", "cu_seqlens_q", "cu_seqlens_k_new", "cache_leftpad",
                   "page_size", "max_seqlen_k_new", "causal", "window_size", "has_softcap", "num_splits", "pack_gqa",
@@ -255,6 +258,8 @@ BAD = {  # keyword overrides of a good call -> (exception, the argument the mess
     "alibi": (dict(alibi_slopes="slopes"), NotImplementedError, "alibi_slopes"),
     "dropout": (dict(dropout_p=0.1), ValueError, "dropout_p"),
     "dcp": (dict(cp_world_size=2), NotImplementedError, "cp_world_size"),
+    "fa4-output-scale": (dict(output_scale="slopes"), NotImplementedError, "output_scale"),
+    "fa4-mask-mod": (dict(mask_mod=len), NotImplementedError, "mask_mod"),
     "out-shape": (dict(out="wide"), ValueError, "out"),
     "out-dtype": (dict(out="fp16"), ValueError, "out"),
 }

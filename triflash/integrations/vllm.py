@@ -86,8 +86,9 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                            q_v=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
                            return_softmax_lse=False, out=None, scheduler_metadata=None, q_descale=None,
-                           k_descale=None, v_descale=None, num_splits=0, fa_version=DEFAULT_FA_VERSION, s_aux=None,
-                           cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None):
+                           k_descale=None, v_descale=None, num_splits=0, output_scale=None,
+                           fa_version=DEFAULT_FA_VERSION, s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
+                           mask_mod=None, aux_tensors=None, aux_tensor_leading_dims=None, dynamic_causal=None):
     """``vllm.vllm_flash_attn.flash_attn_varlen_func`` (module docstring). q: (total_q,
     nheads, headdim) with int32 ``cu_seqlens_q`` (batch + 1,). With ``seqused_k`` (batch,)
     int32: k, v a KV cache, blocks (num_blocks, block_size, nheads_kv, headdim[_v]) read
@@ -97,7 +98,9 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     (and returned), and with ``return_softmax_lse`` (out, lse (nheads, total_q) fp32).
     ``deterministic`` and ``return_attn_probs`` change nothing (the forward is deterministic;
     vLLM's FA3 path ignores both); ``scheduler_metadata`` and ``num_splits`` as in
-    ``triflash.flash_attn_with_kvcache``."""
+    ``triflash.flash_attn_with_kvcache``. The FA4-only arguments of newer vLLM releases
+    (``output_scale``, ``mask_mod``, ``aux_tensors``, ``aux_tensor_leading_dims``,
+    ``dynamic_causal``) are accepted as None and refused otherwise."""
     if (cu_seqlens_k is None) == (seqused_k is None):
         _fail("cu_seqlens_k", _describe(cu_seqlens_k),
               f"give exactly one of cu_seqlens_k (keys packed like q) and seqused_k (a KV cache); seqused_k="
@@ -111,6 +114,10 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
               NotImplementedError)
     if dropout_p != 0.0:
         _fail("dropout_p", dropout_p, "expected 0.0: triflash's forward has no dropout")
+    for name, value in (("output_scale", output_scale), ("mask_mod", mask_mod), ("aux_tensors", aux_tensors),
+                        ("aux_tensor_leading_dims", aux_tensor_leading_dims), ("dynamic_causal", dynamic_causal)):
+        if value is not None:
+            _fail(name, _describe(value), "expected None: vLLM passes it to FlashAttention-4 only", NotImplementedError)
     if cp_world_size != 1:
         _fail("cp_world_size", cp_world_size, "expected 1: decode context parallelism is not supported",
               NotImplementedError)
