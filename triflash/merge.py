@@ -58,17 +58,16 @@ def fold_sink(out, lse, sink):
     return out_s, lse_s
 
 
-def sink_grad(dout, out, lse, lse_s, sink):
-    """d loss / d sink of ``fold_sink(out, lse, sink)``'s attention (``lse_s`` its lse'), given
-    the gradient ``dout`` of its output and the attention without the sink (``out``, ``lse``:
-    the kernels'):
-    the sink column's probability exp(sink - lse') times its dS = -Delta, summed over every
-    row of each head, dsink[h] = -sum exp(sink - lse') Delta. Delta = rowsum(dout * out'),
-    taken as exp(lse - lse') rowsum(dout * out) from the kernels' output (rounded to 16 bits
-    once; out' was rounded again). In sink's dtype."""
-    varlen = lse.dim() == 2
-    weight = torch.exp(_sink_rows(sink, lse) + lse - 2 * lse_s)  # exp(sink - lse') exp(lse - lse')
-    weight = torch.where(torch.isnan(weight), 0.0, weight)
-    delta = torch.einsum("...d,...d->...", dout.float(), out.float())
+def sink_grad(dout, out_s, lse_s, sink):
+    """d loss / d sink of attention with a sink, given the gradient ``dout`` of its output and
+    its (out', lse') as ``fold_sink`` returned them: the sink column's probability
+    exp(sink - lse') times its dS = -Delta, summed over every row of each head,
+    dsink[h] = -sum exp(sink - lse') Delta, with Delta = rowsum(dout * out') taken from the
+    returned output, as the kernels' dq / dk / dv take theirs. fp32, returned in sink's
+    dtype."""
+    varlen = lse_s.dim() == 2
+    weight = torch.exp(_sink_rows(sink, lse_s) - lse_s)
+    weight = torch.where(torch.isnan(weight), 0.0, weight)  # sink and lse' both -inf: no weight
+    delta = torch.einsum("...d,...d->...", dout.float(), out_s.float())
     rows = tuple(range(delta.dim() - 1))  # every axis but the heads
     return -(_by_rows(weight, varlen) * delta).sum(dim=rows).to(sink.dtype)

@@ -266,7 +266,7 @@ class _AttentionSink(torch.autograd.Function):
     (out, lse) with the sink folded in, and the kernels' backward run on that out and lse
     (its probabilities are then the sink's softmax: the sink column has no value, so Delta
     and dS of every key are unchanged) plus the sink's own gradient (``merge.sink_grad``,
-    from the kernels' own output).
+    from the same out and lse).
     Under torch.compile the forward and backward go through the custom ops."""
 
     @staticmethod
@@ -292,7 +292,7 @@ class _AttentionSink(torch.autograd.Function):
         out_s, lse_s = fold_sink(out, lse, sink)
         args = (dout, q, k, v, out_s, lse_s, *seqs, *ctx.scalars)
         dq, dk, dv = bwd(*args) if torch.compiler.is_compiling() else _bwd_impl(*args)
-        dsink = sink_grad(dout, out, lse, lse_s, sink) if ctx.needs_input_grad[3] else None
+        dsink = sink_grad(dout, out_s, lse_s, sink) if ctx.needs_input_grad[3] else None
         if torch.is_grad_enabled():  # create_graph=True
             dq, dk, dv = _FirstOrderOnly.apply(3, dq, dk, dv, q, k, v, dout)
             if dsink is not None:
