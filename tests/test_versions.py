@@ -16,7 +16,8 @@ def test_release_of_a_version_string():
 
 
 @pytest.mark.parametrize("version,trusted", [("3.6.0", True), ("3.8.0", True), ("3.8.1", True),
-                                             ("3.7.0", False), ("3.9.0", False), ("3.5.1", False)])
+                                             ("3.9.0", True), ("3.7.0", False), ("3.10.0", False),
+                                             ("3.5.1", False)])
 def test_trusted_releases(version, trusted):
     why = versions.hopper_untrusted_reason(version)
     assert (why == "") == trusted
@@ -80,7 +81,8 @@ def test_untrusted_triton_falls_back_with_one_warning(fake_sm90, monkeypatch):
         _calls()
     # it names the pairs to pin: each a matrix pair whose triton is validated
     assert "torch 2.14.1 / triton 3.8.0" in str(caught[0].message)
-    assert "3.9.0" not in str(caught[0].message)
+    assert "torch 2.15.0 / triton 3.9.0" in str(caught[0].message)
+    assert "3.7.1" not in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process: the next calls are silent
         _calls()
