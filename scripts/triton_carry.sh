@@ -27,9 +27,8 @@ release after the last: status says how long), each carrying only its part:
 then, in the last part's call or after it:
   mkdir -p /tmp/site-triton && cat /tmp/tparts/part-* | xz -d | tar -x -C /tmp/site-triton && \\
     PYTHONPATH=/tmp/site-triton bash scripts/gpu_run.sh COMMIT \$OUT
-(gpu_run.sh's env line prints the triton that ran.) The whole suite under triton 3.9 ran at
-about half 3.6's pace on an H100 (its compiles; 629 tests in two 330 s calls at 64338f2):
-give it three calls, PARTS=tests SHARD=i/3 TEST_WORKERS=16 TEST_TIMEOUT=540, and
-TEST_REST_OF=<their logs> for what is left.
+(gpu_run.sh's env line prints the triton that ran.) The whole suite under triton 3.9 took
+three calls of about 200 s each on an H100 at 2ad3ad0: PARTS=tests SHARD=i/3
+TEST_WORKERS=16 TEST_TIMEOUT=560, and TEST_REST_OF=<their logs> for anything a time box cut.
 Parts: $parts
 MSG

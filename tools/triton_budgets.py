@@ -27,7 +27,7 @@ _TRITON37 = ("triton 3.7's register allocation spills a little more here than 3.
 _TRITON38 = ("triton 3.8's register allocation spills more here than 3.6's (measured by the "
              "report under triton 3.8.0); the H200 GPU suite and benchmark ran under 3.8 too")
 _TRITON39 = ("triton 3.9's register allocation spills more here than 3.6's and 3.8's (measured by "
-             "the report under triton 3.9.0); not yet timed on the H200 under 3.9")
+             "the report under triton 3.9.0); the GPU suite and the 8k cases ran under 3.9 on an H100")
 
 BY_TRITON: Dict[str, Dict[str, dict]] = {
     # Triton 3.7 (torch 2.12 / 2.13): the portable forward and the Gluon backward under the
@@ -82,10 +82,8 @@ BY_TRITON: Dict[str, Dict[str, dict]] = {
     # Triton 3.9 (ptxas 13.4 for sm_90 with --regAllocOptLevel=2, and its dummy moves before
     # each wgmma reading A from registers): every Gluon kernel spills more than under 3.8.
     # Measured under 3.9.0 (bf16 and fp16, the largest of dense / varlen / KV-cache form in
-    # each Gluon table). The 128 backward's spills cost 7-15% there, the forward's 0-4.5%
-    # (benchmarks/results/bench-8k-f2f07a1-triton3.9-vs-3.6.txt), measured before the
-    # backward built its K / V descriptors in each step (fresh_tiles), which took the 128
-    # backward's spills from 960 / 1596 B (plain / causal) to 0 / 128 B under 3.9.
+    # each Gluon table). The 8k cases under 3.9 ran at 0.955-1.082x their 3.6 speed on an H100
+    # (benchmarks/results/bench-8k-64338f2-triton3.9-vs-3.6-h100.txt).
     "3.9": {
         "portable": {
             "fwd-d64-bf16-all": (1696, f"{_TRITON39}: 1656 B"),
