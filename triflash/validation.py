@@ -31,6 +31,16 @@ def _fail(name, value, allowed, exc=ValueError):
     raise exc(f"{name}={value} is not supported: {allowed}")
 
 
+def describe(x):
+    """How an error message shows a value: a tensor by its shape and dtype, a number, string or
+    None as itself, anything else by its type's name."""
+    if isinstance(x, torch.Tensor):
+        return f"tensor{tuple(x.shape)} {x.dtype}"
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)
+    return type(x).__name__
+
+
 def _check_tensor(name, x, ndim, fp8=False):
     """``fp8``: FA3's call forms, which also take torch.float8_e4m3fn (forward only)."""
     if not isinstance(x, torch.Tensor):
@@ -129,7 +139,7 @@ def normalize_window(window_size, causal):
     or a 2-element integer tensor; any negative side is unbounded, as in FA3."""
     if isinstance(window_size, torch.Tensor):
         if window_size.shape != (2,) or window_size.dtype not in _INT_DTYPES:
-            _fail("window_size", f"tensor{tuple(window_size.shape)} {window_size.dtype}",
+            _fail("window_size", describe(window_size),
                   "expected a 2-element integer tensor, or a pair (left, right) of ints")
         window_size = window_size.tolist()
     elif not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -219,7 +229,7 @@ def check_descales(q, v, qv, descales, batch, nheads_kv):
                 ones = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, nheads_kv)
             t = ones
         elif not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (batch, nheads_kv):
-            _fail(name, t if not isinstance(t, torch.Tensor) else f"tensor{tuple(t.shape)} {t.dtype}",
+            _fail(name, describe(t),
                   f"expected None or a float32 tensor of shape (batch, nheads_kv) = ({batch}, {nheads_kv})")
         else:
             check_device(q, t)
@@ -271,7 +281,7 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
             continue
         if not isinstance(used, torch.Tensor) or used.dtype != torch.int32 or used.shape != (batch,) \
                 or not used.is_contiguous():
-            _fail(name, used if not isinstance(used, torch.Tensor) else f"tensor{tuple(used.shape)} {used.dtype}",
+            _fail(name, describe(used),
                   f"expected a contiguous int32 tensor of shape ({batch},)")
     max_seqlen_q = as_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = as_max_seqlen("max_seqlen_k", max_seqlen_k)
@@ -291,7 +301,7 @@ def _check_cu_seqlens(name, cu):
     if not isinstance(cu, torch.Tensor):
         _fail(name, type(cu).__name__, "expected an int32 tensor of shape (batch + 1,)", TypeError)
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
-        _fail(name, f"tensor{tuple(cu.shape)} {cu.dtype}", "expected an int32 tensor of shape (batch + 1,)")
+        _fail(name, describe(cu), "expected an int32 tensor of shape (batch + 1,)")
     if not cu.is_contiguous():
         _fail(name, "non-contiguous", "expected a contiguous tensor")
 
@@ -327,7 +337,7 @@ def _check_index_vector(name, x, batch, device_of):
     if not isinstance(x, torch.Tensor):
         _fail(name, type(x).__name__, f"expected a contiguous int32 tensor of shape ({batch},)", TypeError)
     if x.dtype != torch.int32 or tuple(x.shape) != (batch,) or not x.is_contiguous():
-        _fail(name, f"tensor{tuple(x.shape)} {x.dtype}", f"expected a contiguous int32 tensor of shape ({batch},)")
+        _fail(name, describe(x), f"expected a contiguous int32 tensor of shape ({batch},)")
     check_device(device_of, x)
 
 
@@ -368,7 +378,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None
         if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2 \
                 or (page_table.shape[0] != batch and cache_batch_idx is None) or page_table.stride(-1) != 1 \
                 or (page_table.shape[0] == 0 and batch > 0):
-            _fail("page_table", f"tensor{tuple(getattr(page_table, 'shape', ()))} {getattr(page_table, 'dtype', type(page_table).__name__)}",
+            _fail("page_table", describe(page_table),
                   f"expected an int32 tensor ({rows}, pages per sequence) with a contiguous last dim")
         check_device(q, page_table)
         capacity = page_table.shape[1] * k_cache.shape[1]

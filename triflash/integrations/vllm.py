@@ -36,7 +36,7 @@ import sys
 import torch
 
 from .. import interface
-from ..validation import _fail
+from ..validation import _fail, describe
 
 DEFAULT_FA_VERSION = 2  # (vLLM's default argument; vLLM asks for 3 on Hopper)
 ENV = "TRIFLASH_VLLM"
@@ -78,10 +78,6 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         sm_margin=sm_margin)
 
 
-def _describe(x):
-    return f"tensor{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
-
-
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
                            q_v=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
@@ -102,22 +98,22 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     (``output_scale``, ``mask_mod``, ``aux_tensors``, ``aux_tensor_leading_dims``,
     ``dynamic_causal``) are accepted as None and refused otherwise."""
     if (cu_seqlens_k is None) == (seqused_k is None):
-        _fail("cu_seqlens_k", _describe(cu_seqlens_k),
+        _fail("cu_seqlens_k", describe(cu_seqlens_k),
               f"give exactly one of cu_seqlens_k (keys packed like q) and seqused_k (a KV cache); seqused_k="
-              f"{_describe(seqused_k)}")
+              f"{describe(seqused_k)}")
     if block_table is not None and seqused_k is None:
-        _fail("block_table", _describe(block_table), "a block table needs seqused_k, the tokens each sequence holds")
+        _fail("block_table", describe(block_table), "a block table needs seqused_k, the tokens each sequence holds")
     if fa_version not in (2, 3):
         _fail("fa_version", fa_version, "expected 2 or 3 (triflash serves both)")
     if alibi_slopes is not None:
-        _fail("alibi_slopes", _describe(alibi_slopes), "ALiBi is not supported (FA3 has none either)",
+        _fail("alibi_slopes", describe(alibi_slopes), "ALiBi is not supported (FA3 has none either)",
               NotImplementedError)
     if dropout_p != 0.0:
         _fail("dropout_p", dropout_p, "expected 0.0: triflash's forward has no dropout")
     for name, value in (("output_scale", output_scale), ("mask_mod", mask_mod), ("aux_tensors", aux_tensors),
                         ("aux_tensor_leading_dims", aux_tensor_leading_dims), ("dynamic_causal", dynamic_causal)):
         if value is not None:
-            _fail(name, _describe(value), "expected None: vLLM passes it to FlashAttention-4 only", NotImplementedError)
+            _fail(name, describe(value), "expected None: vLLM passes it to FlashAttention-4 only", NotImplementedError)
     if cp_world_size != 1:
         _fail("cp_world_size", cp_world_size, "expected 1: decode context parallelism is not supported",
               NotImplementedError)
@@ -129,7 +125,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if out is not None:
         expected = tuple(q.shape[:-1]) + (v.shape[-1],)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
-            _fail("out", _describe(out), f"expected a tensor of shape (total_q, nheads, headdim_v) = {expected}")
+            _fail("out", describe(out), f"expected a tensor of shape (total_q, nheads, headdim_v) = {expected}")
     if seqused_k is not None:
         result, lse, *_ = interface.flash_attn_with_kvcache(
             q, k, v, cache_seqlens=seqused_k, page_table=block_table, cu_seqlens_q=cu_seqlens_q,
@@ -139,7 +135,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                                                        max_seqlen_k, return_attn_probs=True, **common)
     if out is not None:
         if out.dtype != result.dtype or out.device != result.device:
-            _fail("out", _describe(out), f"expected {result.dtype} on {result.device}, the output's dtype and device")
+            _fail("out", describe(out), f"expected {result.dtype} on {result.device}, the output's dtype and device")
         result = out.copy_(result)
     return (result, lse) if return_softmax_lse else result
 
