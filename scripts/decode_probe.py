@@ -3,11 +3,11 @@ the decode cases under a few DecodeConfigs and split counts, beside SDPA-cuDNN (
 device copy.
 
     python scripts/decode_probe.py [--cases 0,3] [--configs 64x4x4,32x4x4,...] [--splits 1,4]
-                                   [--variant NAME:OLD=>NEW] [--off NAME] [--json PATH]
+                                   [--variant NAME:OLD=>NEW | NAME:@FILE] [--off NAME] [--json PATH]
 
 ``--variant``: the decode kernel with one passage of its source replaced (a backslash-n in OLD
-or NEW stands for a line break; a probe of a kernel change without a second copy in the
-library); its rows carry the variant's name. ``--off``:
+or NEW stands for a line break), or the passages a file lists (``PAIRS``): a probe of a kernel
+change without a second copy in the library; its rows carry the variant's name. ``--off``:
 the library with ``decode.NAME`` (a dispatch choice, e.g. ``chained``) answering False; its
 rows carry "no-NAME".
 """
@@ -83,14 +83,22 @@ def make(case, dtype=torch.bfloat16):
 
 
 def variant(spec):
-    """The decode module with one source line replaced, as a sibling module (Triton compiles
-    from source files)."""
+    """The decode module with one passage replaced (``NAME:OLD=>NEW``), or several
+    (``NAME:@FILE``, a Python file whose ``PAIRS`` lists (old, new) passages), as a sibling
+    module (Triton compiles from source files)."""
     name, change = spec.split(":", 1)
-    old, new = (part.replace("\\n", "\n") for part in change.split("=>"))  # (\n: a line break)
+    if change.startswith("@"):
+        scope = {}
+        exec(open(change[1:]).read(), scope)
+        pairs = scope["PAIRS"]
+    else:
+        pairs = [tuple(part.replace("\\n", "\n") for part in change.split("=>"))]  # (\n: a line break)
     src = open(decode.__file__).read()
-    assert src.count(old) == 1, f"variant {name}: {old!r} found {src.count(old)} times"
+    for old, new in pairs:
+        assert src.count(old) == 1, f"variant {name}: {old!r} found {src.count(old)} times"
+        src = src.replace(old, new)
     path = os.path.join(os.path.dirname(decode.__file__), f"_probe_{name}.py")
-    open(path, "w").write(src.replace(old, new))
+    open(path, "w").write(src)
     import importlib
     return name, importlib.import_module(f"triflash.kernels._probe_{name}")
 
@@ -105,6 +113,8 @@ def main():
     ap.add_argument("--off", action="append", default=[])
     a = ap.parse_args()
     variants = [variant(v) for v in a.variant] + [("no-" + name, name) for name in a.off]
+    import triton  # (a variant's device-side tensor descriptors take their global scratch here)
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     cfgs = [None] + [decode.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",") if c]
     global GRAPH
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
