@@ -1,7 +1,8 @@
 """Learnable attention sinks (gpt-oss; FA4's ``learnable_sink``, transformers' ``s_aux``): one
-more softmax column per query head with the sink's logit and no value. Forward and
-backward (dq, dk, dv and the sink's gradient) against the fp32 reference with the sink in
-its softmax, FlashAttention-3's tolerance rule; dense, varlen, KV cache, torch.compile."""
+more softmax column per query head with the sink's logit and no value. Forward, dq, dk and
+dv against the fp32 reference with the sink in its softmax (FlashAttention-3's tolerance
+rule), the sink's gradient against its formula on the call's own output (``_assert_dsink``);
+dense, varlen, KV cache, torch.compile."""
 import pytest
 import torch
 
