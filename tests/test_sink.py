@@ -181,8 +181,8 @@ def test_sink_varlen(dtype):
     assert max_err(lse[rows], lse_ref[rows]) <= 1e-3 * max(1.0, lse_ref[rows].abs().max().item())
     dout = torch.randn(out.shape, generator=g).to(out)
     inputs = (q, k, v, sink)
-    grads, grads_ref = torch.autograd.grad(out, inputs, dout), torch.autograd.grad(out_ref, inputs, dout)
-    assert_grads_match(grads[:3], grads_ref[:3], torch.autograd.grad(out_low, inputs[:3], dout))
+    grads, grads_ref = torch.autograd.grad(out, inputs, dout), torch.autograd.grad(out_ref, inputs[:3], dout)
+    assert_grads_match(grads[:3], grads_ref, torch.autograd.grad(out_low, inputs[:3], dout))
     _assert_dsink(grads[3], dout, out, lse, sink)
 
 
